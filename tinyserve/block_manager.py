@@ -1,0 +1,182 @@
+"""The BlockSpaceManager: every sequence's block table, and the decisions that depend on them.
+
+It answers the scheduler's questions (can this prompt be admitted? can every running sequence
+grow by one token? can this group be swapped back in?) and carries out its orders (allocate,
+append a slot, fork, swap out, swap in, free). It only does bookkeeping on block numbers; the
+CacheEngine moves the actual bytes, following the maps returned here.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from tinyserve.block import BlockAllocator, Device, OutOfBlocksError, PhysicalTokenBlock
+from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus
+
+BlockTable = list[PhysicalTokenBlock]
+
+
+class AllocStatus(enum.Enum):
+    """Whether a waiting prompt fits: now, after others free memory, or never."""
+
+    OK = "ok"
+    LATER = "later"
+    NEVER = "never"
+
+
+class BlockSpaceManager:
+    """Maps each sequence's logical blocks to physical blocks on the GPU or in CPU swap space."""
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 watermark: float = 0.01) -> None:
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        self.block_size = block_size
+        self.num_total_gpu_blocks = num_gpu_blocks
+        self.num_total_cpu_blocks = num_cpu_blocks
+        self.watermark = watermark
+        # Admission keeps this many GPU blocks free so that running sequences can still take
+        # a new block on their next token; without it, a new prompt could force a preemption
+        # in the very next decode round.
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.gpu_allocator = BlockAllocator(Device.GPU, block_size, num_gpu_blocks)
+        self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks)
+        self.block_tables: dict[int, BlockTable] = {}
+
+    # -- admission -------------------------------------------------------------------------
+
+    def _num_blocks_to_allocate(self, seq: Sequence) -> int:
+        return seq.n_blocks
+
+    def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
+        seq = seq_group.get_seqs(SequenceStatus.WAITING)[0]
+        required = self._num_blocks_to_allocate(seq)
+        if self.num_total_gpu_blocks - required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.gpu_allocator.get_num_free_blocks() - required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, seq_group: SequenceGroup) -> None:
+        """Give the group's prompt its blocks; all waiting sequences share them."""
+        waiting = seq_group.get_seqs(SequenceStatus.WAITING)
+        table: BlockTable = []
+        for _ in range(waiting[0].n_blocks):
+            block = self.gpu_allocator.allocate()
+            block.ref_count = len(waiting)
+            table.append(block)
+        for seq in waiting:
+            self.block_tables[seq.seq_id] = list(table)
+
+    # -- growth ----------------------------------------------------------------------------
+
+    def _needs_new_block(self, seq: Sequence) -> bool:
+        table = self.block_tables[seq.seq_id]
+        # A fresh block when the newest token starts a new logical block, or a copy when the
+        # last block is shared (copy-on-write).
+        return len(table) < seq.n_blocks or table[-1].ref_count > 1
+
+    def can_append_slot(self, seq_group: SequenceGroup) -> bool:
+        # Exact, where vLLM v0.4 assumed every sequence needs a block: preempting a request
+        # that would not have needed memory only costs time.
+        needed = sum(self._needs_new_block(s) for s in seq_group.get_seqs(SequenceStatus.RUNNING))
+        return self.gpu_allocator.get_num_free_blocks() >= needed
+
+    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
+        """Make room for the sequence's newest token.
+
+        Returns ``(src, dst)`` when the last block was shared and had to be copied first
+        (copy-on-write), so the worker copies its K/V before writing; otherwise None.
+        """
+        table = self.block_tables[seq.seq_id]
+        if len(table) < seq.n_blocks:
+            table.append(self.gpu_allocator.allocate())
+            return None
+        last = table[-1]
+        if last.ref_count == 1:
+            return None
+        new = self.gpu_allocator.allocate()
+        table[-1] = new
+        self.gpu_allocator.free(last)
+        return last.block_number, new.block_number
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent until one of them writes to it."""
+        table = self.block_tables[parent.seq_id]
+        self.block_tables[child.seq_id] = list(table)
+        for block in table:
+            block.ref_count += 1
+
+    # -- swapping --------------------------------------------------------------------------
+
+    def _physical_blocks(self, seq_group: SequenceGroup) -> list[PhysicalTokenBlock]:
+        # A set by identity: forked sequences share blocks, which move once.
+        seen: dict[int, PhysicalTokenBlock] = {}
+        for seq in seq_group.get_unfinished_seqs():
+            for block in self.block_tables.get(seq.seq_id, []):
+                seen[id(block)] = block
+        return list(seen.values())
+
+    def can_swap_in(self, seq_group: SequenceGroup) -> bool:
+        blocks = self._physical_blocks(seq_group)
+        # One extra block per sequence: each will append a token right after coming back.
+        required = len(blocks) + seq_group.num_seqs(SequenceStatus.SWAPPED)
+        return self.gpu_allocator.get_num_free_blocks() - required >= self.watermark_blocks
+
+    def swap_in(self, seq_group: SequenceGroup) -> dict[int, int]:
+        """Move the group's blocks CPU -> GPU. Returns {cpu block: gpu block}."""
+        return self._move(seq_group, SequenceStatus.SWAPPED, self.cpu_allocator, self.gpu_allocator)
+
+    def can_swap_out(self, seq_group: SequenceGroup) -> bool:
+        return len(self._physical_blocks(seq_group)) <= self.cpu_allocator.get_num_free_blocks()
+
+    def swap_out(self, seq_group: SequenceGroup) -> dict[int, int]:
+        """Move the group's blocks GPU -> CPU. Returns {gpu block: cpu block}."""
+        if not self.can_swap_out(seq_group):
+            raise OutOfBlocksError(
+                f"out of CPU swap space: request {seq_group.request_id!r} needs "
+                f"{len(self._physical_blocks(seq_group))} CPU blocks but only "
+                f"{self.cpu_allocator.get_num_free_blocks()} of {self.num_total_cpu_blocks} are free; "
+                "raise num_cpu_blocks (swap space) or use preemption_mode='recompute'"
+            )
+        return self._move(seq_group, SequenceStatus.RUNNING, self.gpu_allocator, self.cpu_allocator)
+
+    def _move(self, seq_group: SequenceGroup, status: SequenceStatus,
+              src_alloc: BlockAllocator, dst_alloc: BlockAllocator) -> dict[int, int]:
+        mapping: dict[int, PhysicalTokenBlock] = {}
+        for seq in seq_group.get_seqs(status):
+            new_table: BlockTable = []
+            for src in self.block_tables[seq.seq_id]:
+                if src.block_number in mapping:
+                    dst = mapping[src.block_number]
+                    dst.ref_count += 1
+                else:
+                    dst = dst_alloc.allocate()
+                    mapping[src.block_number] = dst
+                new_table.append(dst)
+                src_alloc.free(src)
+            self.block_tables[seq.seq_id] = new_table
+        return {src: dst.block_number for src, dst in mapping.items()}
+
+    # -- release ---------------------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Give back a sequence's blocks (safe to call twice: the second call does nothing)."""
+        table = self.block_tables.pop(seq.seq_id, None)
+        if table is None:
+            return
+        for block in table:
+            (self.gpu_allocator if block.device == Device.GPU else self.cpu_allocator).free(block)
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        return [b.block_number for b in self.block_tables[seq.seq_id]]
+
+    def get_block_device(self, seq: Sequence) -> Device | None:
+        table = self.block_tables.get(seq.seq_id)
+        return table[0].device if table else None
+
+    def get_num_free_gpu_blocks(self) -> int:
+        return self.gpu_allocator.get_num_free_blocks()
+
+    def get_num_free_cpu_blocks(self) -> int:
+        return self.cpu_allocator.get_num_free_blocks()

@@ -1,0 +1,59 @@
+"""The book's two worked examples, as ready-made configs and scripted requests.
+
+- ``seed_rounds``: the source story's three prompts s0, s1, s2 (5, 5 and 3 tokens with the
+  default model's tokenizer), under budgets chosen so the rounds unfold as the story tells:
+  round 1 prefills s0 and s1 (the token budget fits two prompts), round 2 prefills s2 alone,
+  round 3 decodes s0 and s1 while s2 is preempted for lack of free blocks.
+- ``orca_example``: the A–E workload of the Orca discussion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinyserve.config import CacheConfig, SchedulerConfig
+from tinyserve.sim import Request
+
+SEED_PROMPTS = {"s0": "Hello, my name is", "s1": "The future of AI is", "s2": "The life is"}
+SEED_PROMPT_LENS = {"s0": 5, "s1": 5, "s2": 3}
+
+
+@dataclass
+class Preset:
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    requests: list[Request]
+    prompts: dict[str, str | None]
+    max_tokens: int
+
+
+def seed_rounds(preemption_mode: str | None = "swap", policy: str = "vllm", max_tokens: int = 8) -> Preset:
+    """The s0/s1/s2 walkthrough.
+
+    Why these numbers: a budget of 10 tokens per round fits s0 and s1 (5 + 5) but not s2 as
+    well (13). A block holds 5 tokens, so each 5-token prompt fills exactly one block and its
+    first decode needs a second one. With 4 GPU blocks, after three prefills one block is free:
+    s0 takes it in round 3, s1 then needs one too, and the newest running request, s2, is
+    preempted to make room.
+    """
+    return Preset(
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=4, max_model_len=64,
+                                         policy=policy, preemption_mode=preemption_mode),
+        cache_config=CacheConfig(block_size=5, num_gpu_blocks=4, num_cpu_blocks=4, watermark=0.0),
+        requests=[Request(rid, SEED_PROMPT_LENS[rid], max_tokens) for rid in SEED_PROMPTS],
+        prompts=dict(SEED_PROMPTS),
+        max_tokens=max_tokens,
+    )
+
+
+def orca_example(policy: str = "orca") -> Preset:
+    """A, B and C need 10, 15 and 5 tokens and arrive in round 1; D (8) in round 2; E (12) in
+    round 3. Prompts are 4 tokens each; the cache is large enough that nobody is preempted."""
+    needs = {"A": (10, 1), "B": (15, 1), "C": (5, 1), "D": (8, 2), "E": (12, 3)}
+    return Preset(
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64, policy=policy),
+        cache_config=CacheConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=16, watermark=0.0),
+        requests=[Request(rid, 4, out, arrival) for rid, (out, arrival) in needs.items()],
+        prompts={rid: None for rid in needs},
+        max_tokens=max(out for out, _ in needs.values()),
+    )

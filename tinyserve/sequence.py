@@ -1,0 +1,243 @@
+"""Requests as the scheduler sees them.
+
+A request becomes a ``SequenceGroup``: one prompt and the sequences sampled from it (several
+when ``n > 1``). Each ``Sequence`` keeps its tokens and cuts them into *logical* blocks of
+``block_size`` tokens; the BlockSpaceManager maps those to *physical* blocks in the cache.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop. ``temperature=0`` means greedy."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = list(self.stop or [])
+        if self.stop_token_ids is not None and not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError("n > 1 needs temperature > 0: greedy samples would all be identical")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH_CAPPED = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_IGNORED = "ignored"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style reason ("stop", "length", "abort", "ignored"), None while unfinished."""
+        return self.value if self.is_finished else None
+
+
+class LogicalTokenBlock:
+    """A block's worth of a sequence's tokens, before we know where they live in memory."""
+
+    def __init__(self, block_number: int, block_size: int) -> None:
+        self.block_number = block_number
+        self.block_size = block_size
+        self.token_ids: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def is_full(self) -> bool:
+        return len(self.token_ids) == self.block_size
+
+    def __repr__(self) -> str:
+        return f"LogicalTokenBlock({self.block_number}, {self.token_ids})"
+
+
+class Sequence:
+    """One stream of tokens: the prompt followed by what has been generated so far."""
+
+    def __init__(self, seq_id: int, prompt: str | None, prompt_token_ids: list[int], block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.seq_id = seq_id
+        self.prompt = prompt
+        self.block_size = block_size
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_text = ""
+        self.status = SequenceStatus.WAITING
+        self.finish_message: str | None = None
+        # Tokens whose K/V is already in the cache. A prefill (or a prefill chunk, or a cached
+        # prefix) advances it; recompute-preemption resets it to 0.
+        self.num_computed_tokens = 0
+        self.logical_token_blocks: list[LogicalTokenBlock] = []
+        self._append_to_blocks(self.prompt_token_ids)
+
+    def _append_to_blocks(self, token_ids: list[int]) -> None:
+        for t in token_ids:
+            if not self.logical_token_blocks or self.logical_token_blocks[-1].is_full():
+                self.logical_token_blocks.append(LogicalTokenBlock(len(self.logical_token_blocks), self.block_size))
+            self.logical_token_blocks[-1].token_ids.append(t)
+
+    def append_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._append_to_blocks([token_id])
+
+    def get_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def get_prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def get_output_len(self) -> int:
+        return len(self.output_token_ids)
+
+    def get_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.logical_token_blocks)
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def is_prefill(self) -> bool:
+        """True while some of its tokens (other than the last, newly sampled one) lack K/V."""
+        return self.num_computed_tokens < self.get_len() - 1 or self.num_computed_tokens == 0
+
+    def reset_for_recompute(self) -> None:
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    def fork(self, new_seq_id: int) -> Sequence:
+        child = Sequence(new_seq_id, self.prompt, self.prompt_token_ids, self.block_size)
+        for t in self.output_token_ids:
+            child.append_token_id(t)
+        child.output_text = self.output_text
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        return child
+
+    def __repr__(self) -> str:
+        return f"Sequence(seq_id={self.seq_id}, status={self.status.name}, len={self.get_len()})"
+
+
+class SequenceGroup:
+    """A request: the sequences that share one prompt and one set of SamplingParams."""
+
+    def __init__(self, request_id: str, seqs: list[Sequence], sampling_params: SamplingParams,
+                 arrival_time: float) -> None:
+        if not seqs:
+            raise ValueError("a SequenceGroup needs at least one sequence")
+        self.request_id = request_id
+        self.seqs_dict = {s.seq_id: s for s in seqs}
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        # Set when the group was ignored (prompt too long, can never fit): tells the user why.
+        self.error: str | None = None
+
+    @property
+    def prompt(self) -> str | None:
+        return next(iter(self.seqs_dict.values())).prompt
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return next(iter(self.seqs_dict.values())).prompt_token_ids
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs_dict.values())
+        return [s for s in self.seqs_dict.values() if s.status == status]
+
+    def get_unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs_dict.values() if not s.is_finished()]
+
+    def num_seqs(self, status: SequenceStatus | None = None) -> int:
+        return len(self.get_seqs(status))
+
+    def get_max_num_running_seqs(self) -> int:
+        """Sequences this group will run at once: n after its prompt is sampled, else the live ones."""
+        if self.is_waiting_for_prefill():
+            return self.sampling_params.n
+        return len(self.get_unfinished_seqs())
+
+    def is_waiting_for_prefill(self) -> bool:
+        seqs = self.get_unfinished_seqs()
+        return len(seqs) == 1 and seqs[0].get_output_len() == 0
+
+    def find(self, seq_id: int) -> Sequence:
+        return self.seqs_dict[seq_id]
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs_dict:
+            raise ValueError(f"sequence {seq.seq_id} is already in group {self.request_id}")
+        self.seqs_dict[seq.seq_id] = seq
+
+    def is_finished(self) -> bool:
+        return all(s.is_finished() for s in self.seqs_dict.values())
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup({self.request_id!r}, seqs={len(self.seqs_dict)})"
+
+
+@dataclass
+class SequenceGroupMetadata:
+    """What the worker needs to run one scheduled group this round.
+
+    ``token_chunk_size`` is how many new tokens each sequence brings: the uncomputed part of
+    the prompt (or one chunk of it) in a prefill, 1 in a decode.
+    """
+
+    request_id: str
+    is_prompt: bool
+    seq_data: dict[int, Sequence]
+    sampling_params: SamplingParams
+    block_tables: dict[int, list[int]]
+    token_chunk_size: int = 1
+    do_sample: bool = True  # False for a prefill chunk that does not reach the prompt's end
+    computed_block_nums: list[int] = field(default_factory=list)

@@ -1,0 +1,162 @@
+"""Run the real Scheduler with no model: output lengths are scripted, tokens are fake.
+
+This is how the book steps through scheduling rounds on a laptop in milliseconds. Each round
+is recorded as a ``RoundRecord``; the engine records its real rounds in the same form, so the
+same drawings and widgets show both.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from tinyserve.block import Device
+from tinyserve.config import CacheConfig, SchedulerConfig
+from tinyserve.scheduler import Scheduler, SchedulerOutputs
+from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class Request:
+    """A scripted request: a prompt of ``prompt_len`` tokens that will produce ``output_len``
+    tokens (its prefill produces the first), arriving before round ``arrival_round`` is scheduled."""
+
+    request_id: str
+    prompt_len: int
+    output_len: int
+    arrival_round: int = 1
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.output_len < 1 or self.arrival_round < 1:
+            raise ValueError(f"request {self.request_id!r}: prompt_len, output_len and arrival_round must be >= 1")
+
+
+@dataclass
+class RoundRecord:
+    """One scheduling round, as it happened. Queue contents are taken after scheduling."""
+
+    round: int
+    phase: str  # "prefill" | "decode" | "mixed" | "idle"
+    batch: list[str]
+    preempted: list[str]
+    swapped_out: list[str]
+    swapped_in: list[str]
+    finished: list[str]
+    ignored: list[str]
+    waiting: list[str]
+    running: list[str]
+    swapped: list[str]
+    free_gpu_blocks: int
+    block_tables: dict[str, list[int]]  # GPU block tables of running groups
+    cpu_block_tables: dict[str, list[int]] = field(default_factory=dict)  # swapped groups
+    free_cpu_blocks: int = 0
+    num_gpu_blocks: int = 0
+    num_cpu_blocks: int = 0
+    num_batched_tokens: int = 0
+    chunk_sizes: dict[str, int] = field(default_factory=dict)  # new tokens each batch member brought
+    tokens: dict[str, str] = field(default_factory=dict)  # what each batch member produced (engine: text)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.batch)
+
+
+def seq_key(group: SequenceGroup, seq: Sequence) -> str:
+    """A request id, suffixed with the sample index when a request has several sequences."""
+    seqs = group.get_seqs()
+    return group.request_id if len(seqs) == 1 else f"{group.request_id}.{seqs.index(seq)}"
+
+
+def make_record(round_no: int, scheduler: Scheduler, out: SchedulerOutputs, finished: list[str],
+                tokens: dict[str, str] | None = None) -> RoundRecord:
+    """Snapshot the scheduler after a round (shared by the simulator and the engine)."""
+    bm = scheduler.block_manager
+    gpu_tables: dict[str, list[int]] = {}
+    cpu_tables: dict[str, list[int]] = {}
+    for group in list(scheduler.running) + list(scheduler.swapped):
+        for seq in group.get_unfinished_seqs():
+            if seq.seq_id in bm.block_tables:
+                target = gpu_tables if bm.get_block_device(seq) == Device.GPU else cpu_tables
+                target[seq_key(group, seq)] = bm.get_block_table(seq)
+    batch = [g.request_id for g in out.scheduled_seq_groups]
+    return RoundRecord(
+        round=round_no,
+        phase=out.phase,
+        batch=batch,
+        preempted=list(out.preempted),
+        swapped_out=list(out.swapped_out),
+        swapped_in=list(out.swapped_in),
+        finished=list(finished),
+        ignored=[g.request_id for g in out.ignored_seq_groups],
+        waiting=[g.request_id for g in scheduler.waiting],
+        running=[g.request_id for g in scheduler.running],
+        swapped=[g.request_id for g in scheduler.swapped],
+        free_gpu_blocks=bm.get_num_free_gpu_blocks(),
+        block_tables=gpu_tables,
+        cpu_block_tables=cpu_tables,
+        free_cpu_blocks=bm.get_num_free_cpu_blocks(),
+        num_gpu_blocks=bm.num_total_gpu_blocks,
+        num_cpu_blocks=bm.num_total_cpu_blocks,
+        num_batched_tokens=out.num_batched_tokens,
+        chunk_sizes=dict(zip(batch, out.token_chunk_sizes)),
+        tokens=dict(tokens or {}),
+    )
+
+
+def simulate(requests: list[Request], scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+             max_rounds: int = 10_000, scheduler: Scheduler | None = None) -> list[RoundRecord]:
+    """Drive the scheduler round by round until every request has finished or been ignored.
+
+    Raises RuntimeError if no progress is possible (a hang is a bug, never an answer).
+    """
+    ids = [r.request_id for r in requests]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"request ids must be unique, got {ids}")
+    scheduler = scheduler or Scheduler(scheduler_config, cache_config)
+    pending = sorted(requests, key=lambda r: r.arrival_round)
+    output_len = {r.request_id: r.output_len for r in requests}
+    seq_ids = itertools.count()
+    fake_token = itertools.count(1000)
+    records: list[RoundRecord] = []
+    for round_no in range(1, max_rounds + 1):
+        while pending and pending[0].arrival_round <= round_no:
+            r = pending.pop(0)
+            # Distinct fake token ids per request, so no two prompts look alike.
+            prompt = [next(fake_token) for _ in range(r.prompt_len)]
+            seq = Sequence(next(seq_ids), None, prompt, cache_config.block_size)
+            scheduler.add_seq_group(SequenceGroup(r.request_id, [seq], SamplingParams(max_tokens=r.output_len),
+                                                  arrival_time=float(round_no)))
+        if not pending and not scheduler.has_unfinished_seqs():
+            break
+        _, out = scheduler.schedule()
+        finished: list[str] = []
+        for group, chunk in zip(out.scheduled_seq_groups, out.token_chunk_sizes):
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                seq.num_computed_tokens += chunk
+                if seq.num_computed_tokens < seq.get_len():
+                    continue  # a prefill chunk short of the prompt's end samples nothing
+                seq.append_token_id(next(fake_token))
+                if seq.get_output_len() >= output_len[group.request_id]:
+                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+                    scheduler.free_seq(seq)
+            if group.is_finished():
+                finished.append(group.request_id)
+        scheduler.free_finished_seq_groups()
+        records.append(make_record(round_no, scheduler, out, finished))
+        if out.phase == "idle" and not (out.ignored_seq_groups or out.preempted or pending):
+            raise RuntimeError(f"no progress in round {round_no}: waiting={[g.request_id for g in scheduler.waiting]}, "
+                               f"swapped={[g.request_id for g in scheduler.swapped]}")
+    else:
+        raise RuntimeError(f"simulation did not finish within {max_rounds} rounds")
+    return records
+
+
+def format_rounds(records: list[RoundRecord]) -> str:
+    """A plain-text table of rounds, as the book and the closing notes print it."""
+    lines = [f"{'round':>5}  {'phase':<7}  {'batch':<22} {'preempted':<10} {'waiting':<12} {'running':<14} "
+             f"{'swapped':<10} {'finished':<10} free"]
+    for r in records:
+        lines.append(f"{r.round:>5}  {r.phase:<7}  {','.join(r.batch) or '-':<22} {','.join(r.preempted) or '-':<10} "
+                     f"{','.join(r.waiting) or '-':<12} {','.join(r.running) or '-':<14} "
+                     f"{','.join(r.swapped) or '-':<10} {','.join(r.finished) or '-':<10} {r.free_gpu_blocks}")
+    return "\n".join(lines)
