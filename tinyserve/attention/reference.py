@@ -89,12 +89,12 @@ def _attend_padded(
 
     slots, valid = _context_slots(block_tables, context_lens, block_size, num_key_blocks)
     ctx_len = slots.shape[1]
-    flat = slots.reshape(-1)
-    # [S, L, Hkv, D] -> [S, Hkv, L, D], the layout SDPA wants.
-    k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, flat)
-    v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, flat)
-    k = k.view(num_seqs, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
-    v = v.view(num_seqs, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
+    # Gather straight into SDPA's [S, Hkv, L, D] layout: row (slot, h) of the cache viewed as
+    # [num_slots * Hkv, D]. A contiguous result lets SDPA skip a second copy of K/V.
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+    k = k_cache.view(-1, head_dim).index_select(0, rows).view(num_seqs, num_kv_heads, ctx_len, head_dim)
+    v = v_cache.view(-1, head_dim).index_select(0, rows).view(num_seqs, num_kv_heads, ctx_len, head_dim)
 
     # Fold the query heads of one KV group into the query axis: [S, Hkv, max_q * group, D].
     q = q.reshape(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)

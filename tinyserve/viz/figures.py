@@ -1,0 +1,71 @@
+"""Regenerate every figure in ``figures/`` from the drawing functions (``make figures``).
+
+A drawing module registers a figure with ``@figure("NN_name")``; the function returns a
+matplotlib Figure built from real objects (simulator runs, live block managers, benchmark CSVs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+REGISTRY: dict[str, Callable] = {}
+
+
+def figure(name: str) -> Callable[[Callable], Callable]:
+    def register(fn: Callable) -> Callable:
+        REGISTRY[name] = fn
+        return fn
+    return register
+
+
+def _load_all() -> None:
+    from tinyserve.viz import _SUBMODULES
+
+    for sub in _SUBMODULES:
+        if sub == "figures":
+            continue
+        try:
+            importlib.import_module(f"tinyserve.viz.{sub}")
+        except ModuleNotFoundError as e:
+            if e.name != f"tinyserve.viz.{sub}":
+                raise
+
+
+def figures_dir() -> Path:
+    """The repository's ``figures/``, or ``$TINYSERVE_FIGURES_DIR`` (tests point it elsewhere so
+    executing a chapter never rewrites committed files)."""
+    env = os.environ.get("TINYSERVE_FIGURES_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "figures"
+
+
+def save(fig, name: str, out_dir: str | Path | None = None) -> Path:
+    """Save a figure as ``name.png`` in the figures directory (chapters call this)."""
+    out = Path(out_dir) if out_dir is not None else figures_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def main(out_dir: str | None = None) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    _load_all()
+    paths = []
+    for name, fn in sorted(REGISTRY.items()):
+        fig = fn()
+        paths.append(save(fig, name, out_dir))
+        plt.close(fig)
+        print(f"wrote {paths[-1]}")
+    return paths
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)
