@@ -34,10 +34,10 @@ def seed_rounds(preemption_mode: str | None = "swap", policy: str = "vllm", max_
     well (13). A block holds 5 tokens, so each 5-token prompt fills exactly one block and its
     first decode needs a second one. With 4 GPU blocks, after three prefills one block is free:
     s0 takes it in round 3, s1 then needs one too, and the newest running request, s2, is
-    preempted to make room.
+    preempted to make room. ``max_model_len=20`` is what the 4 blocks of 5 tokens can hold.
     """
     return Preset(
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=4, max_model_len=64,
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=4, max_model_len=20,
                                          policy=policy, preemption_mode=preemption_mode),
         cache_config=CacheConfig(block_size=5, num_gpu_blocks=4, num_cpu_blocks=4, watermark=0.0),
         requests=[Request(rid, SEED_PROMPT_LENS[rid], max_tokens) for rid in SEED_PROMPTS],
