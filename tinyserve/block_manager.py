@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 
 from tinyserve.block import BlockAllocator, Device, OutOfBlocksError, PhysicalTokenBlock
+from tinyserve.prefix_cache import CachedBlockAllocator, prefix_hashes
 from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BlockTable = list[PhysicalTokenBlock]
@@ -28,7 +29,7 @@ class BlockSpaceManager:
     """Maps each sequence's logical blocks to physical blocks on the GPU or in CPU swap space."""
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 watermark: float = 0.01) -> None:
+                 watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
         self.block_size = block_size
@@ -39,7 +40,9 @@ class BlockSpaceManager:
         # a new block on their next token; without it, a new prompt could force a preemption
         # in the very next decode round.
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.gpu_allocator = BlockAllocator(Device.GPU, block_size, num_gpu_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        allocator = CachedBlockAllocator if enable_prefix_caching else BlockAllocator
+        self.gpu_allocator = allocator(Device.GPU, block_size, num_gpu_blocks)
         self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks)
         self.block_tables: dict[int, BlockTable] = {}
 
@@ -60,10 +63,14 @@ class BlockSpaceManager:
     def allocate(self, seq_group: SequenceGroup) -> None:
         """Give the group's prompt its blocks; all waiting sequences share them."""
         waiting = seq_group.get_seqs(SequenceStatus.WAITING)
+        hashes = prefix_hashes(waiting[0].get_token_ids(), self.block_size) if self.enable_prefix_caching else []
         table: BlockTable = []
-        for _ in range(waiting[0].n_blocks):
-            block = self.gpu_allocator.allocate()
-            block.ref_count = len(waiting)
+        for i in range(waiting[0].n_blocks):
+            if i < len(hashes):
+                block = self.gpu_allocator.allocate(hashes[i])  # shares a cached block on a hit
+            else:
+                block = self.gpu_allocator.allocate()
+            block.ref_count += len(waiting) - 1
             table.append(block)
         for seq in waiting:
             self.block_tables[seq.seq_id] = list(table)
@@ -90,6 +97,8 @@ class BlockSpaceManager:
         """
         table = self.block_tables[seq.seq_id]
         if len(table) < seq.n_blocks:
+            if self.enable_prefix_caching:
+                self._name_full_block(seq, len(table) - 1)
             table.append(self.gpu_allocator.allocate())
             return None
         last = table[-1]
@@ -106,6 +115,39 @@ class BlockSpaceManager:
         self.block_tables[child.seq_id] = list(table)
         for block in table:
             block.ref_count += 1
+
+    # -- prefix caching --------------------------------------------------------------------
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Leading prompt tokens whose K/V already sits in cached blocks (0 without caching).
+
+        The last token is always left to compute: its logits are needed to sample."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        for h in prefix_hashes(seq.get_token_ids(), self.block_size):
+            block = self.gpu_allocator.lookup(h)
+            if block is None or not block.computed:
+                break
+            n += self.block_size
+        return min(n, seq.get_len() - 1)
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """After a round: blocks whose every token now has K/V in the cache become reusable."""
+        if not self.enable_prefix_caching or seq.seq_id not in self.block_tables:
+            return
+        for block in self.block_tables[seq.seq_id][: seq.num_computed_tokens // self.block_size]:
+            if block.device == Device.GPU:
+                block.computed = True
+
+    def _name_full_block(self, seq: Sequence, index: int) -> None:
+        """A block filled by decoding gets its name once full, so later prompts can share it."""
+        block = self.block_tables[seq.seq_id][index]
+        if index < 0 or block.block_hash is not None or block.ref_count != 1:
+            return
+        hashes = prefix_hashes(seq.get_token_ids()[: (index + 1) * self.block_size], self.block_size)
+        self.gpu_allocator.register(block, hashes[index])
+        block.computed = block.block_hash is not None
 
     # -- swapping --------------------------------------------------------------------------
 

@@ -145,6 +145,7 @@ class LLMEngine:
         for meta in metas:
             for seq in meta.seq_data.values():
                 seq.num_computed_tokens += meta.token_chunk_size
+                self.scheduler.mark_computed(seq)
         rows = [(meta, seq) for meta in metas if meta.do_sample for seq in meta.seq_data.values()]
         samples = self.sampler(logits, [self._sample_request(m, s) for m, s in rows]) if rows else []
         t3 = time.perf_counter()

@@ -112,6 +112,10 @@ class Scheduler:
     def fork_seq(self, parent: Sequence, child: Sequence) -> None:
         self.block_manager.fork(parent, child)
 
+    def mark_computed(self, seq: Sequence) -> None:
+        """Tell the block manager the round's K/V has been written (prefix caching reuses it)."""
+        self.block_manager.mark_computed(seq)
+
     def free_finished_seq_groups(self) -> None:
         self.running = deque(g for g in self.running if not g.is_finished())
 
@@ -193,7 +197,9 @@ class Scheduler:
                                          f"has ({self.block_manager.num_total_gpu_blocks} blocks of "
                                          f"{self.block_manager.block_size} tokens, less the watermark)")
                 continue
-            chunk = num_tokens - seq.num_computed_tokens
+            # With prefix caching, the cached head of the prompt needs no compute this round.
+            computed = max(seq.num_computed_tokens, self.block_manager.num_cached_tokens(seq))
+            chunk = num_tokens - computed
             if cfg.enable_chunked_prefill or resumed:
                 chunk = min(chunk, token_budget)
             if chunk <= 0 or chunk > token_budget:
@@ -204,6 +210,7 @@ class Scheduler:
             self.block_manager.allocate(group)
             for s in group.get_seqs(SequenceStatus.WAITING):
                 s.status = SequenceStatus.RUNNING
+                s.num_computed_tokens = computed
             self.running.append(group)
             self._schedule(out, group, chunk, is_prompt=True)
             token_budget -= chunk
@@ -315,4 +322,4 @@ class Scheduler:
 
 def make_block_manager(cache_config: CacheConfig) -> BlockSpaceManager:
     return BlockSpaceManager(cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks,
-                             watermark=cache_config.watermark)
+                             watermark=cache_config.watermark, enable_prefix_caching=cache_config.enable_prefix_caching)

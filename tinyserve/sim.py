@@ -133,6 +133,7 @@ def simulate(requests: list[Request], scheduler_config: SchedulerConfig, cache_c
         for group, chunk in zip(out.scheduled_seq_groups, out.token_chunk_sizes):
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 seq.num_computed_tokens += chunk
+                scheduler.mark_computed(seq)
                 if seq.num_computed_tokens < seq.get_len():
                     continue  # a prefill chunk short of the prompt's end samples nothing
                 seq.append_token_id(next(fake_token))
