@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> tuple[LLMEngine, list[RequestOutput]]:
     start = time.perf_counter()
     engine = LLMEngine(model_config, cache_config, scheduler_config, attention_backend=args.attention_backend)
     print(f"Loaded {args.model} on {engine.executor.device} ({engine.executor.dtype}) in "
-          f"{time.perf_counter() - start:.1f} s; attention backend {engine.executor.model.backend_name}; "
+          f"{time.perf_counter() - start:.1f} s; attention backend {engine.executor.model.backend.name}; "
           f"{cache_config.num_gpu_blocks} GPU blocks of {cache_config.block_size} tokens, "
           f"{cache_config.num_cpu_blocks} CPU blocks; token budget {scheduler_config.max_num_batched_tokens} per round")
     prompts = args.prompt or list(preset.prompts.values())

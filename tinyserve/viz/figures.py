@@ -68,4 +68,8 @@ def main(out_dir: str | None = None) -> list[Path]:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    # Run as a script this file is ``__main__``, but drawing modules register into the importable
+    # ``tinyserve.viz.figures``: call that module's main so its registry is the one filled.
+    from tinyserve.viz.figures import main as _main
+
+    _main(sys.argv[1] if len(sys.argv) > 1 else None)
