@@ -22,6 +22,8 @@ def describe_round(r: RoundRecord) -> str:
     """One round in words, from its record (the same record the book's stepper shows)."""
     what = {"prefill": "prefill", "decode": "decode", "mixed": "prefill + decode", "idle": "idle"}[r.phase]
     lines = [f"Round {r.round}: {what} of [{', '.join(r.batch)}]"]
+    for rid in r.swapped_in:
+        lines.append(f"    {rid}: swapped back in from CPU")
     for rid in r.batch:
         tok = r.tokens.get(rid)
         n = r.chunk_sizes.get(rid, 1)
@@ -30,8 +32,6 @@ def describe_round(r: RoundRecord) -> str:
     for rid in r.preempted:
         where = "swapped out to CPU" if rid in r.swapped_out else "sent back to waiting (recompute)"
         lines.append(f"    {rid}: preempted for lack of free blocks, {where}")
-    for rid in r.swapped_in:
-        lines.append(f"    {rid}: swapped back in from CPU")
     for rid in r.finished:
         lines.append(f"    {rid}: finished")
     for rid in r.ignored:
