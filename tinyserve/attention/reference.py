@@ -9,7 +9,7 @@ Two jobs, as in every backend:
 
 The approach is "gather, then attend". For every sequence we build the flat slot index of each
 of its context positions from its block table, gather those K/V rows into a padded
-``[num_seqs, max_context, num_kv_heads, head_dim]`` tensor with one indexing call, and hand the
+``[num_seqs, num_kv_heads, max_context, head_dim]`` tensor with one indexing call, and hand the
 whole batch to ``F.scaled_dot_product_attention`` with a mask. Nothing loops over tokens in
 Python, so the same code serves a 1-token decode and a 2000-token prefill.
 
@@ -19,6 +19,8 @@ share one KV head are folded into the query-length axis, so SDPA sees ``num_kv_h
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -67,48 +69,76 @@ def _context_slots(
     return slots, valid
 
 
-def _attend_padded(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+@dataclass
+class _Group:
+    """What attention needs to know about a padded sub-batch, the same for every layer.
+
+    ``rows`` indexes the cache viewed as ``[num_slots * num_kv_heads, head_dim]`` and gathers K/V
+    straight into SDPA's ``[num_seqs, num_kv_heads, ctx_len, head_dim]`` layout. ``token_idx``
+    ``[num_seqs, max_q]`` says which packed query row fills each padded row (``None``: the batch
+    is already one query per sequence, in order) and ``real`` which padded rows are not padding.
+    """
+
+    rows: torch.Tensor
+    mask: torch.Tensor  # [num_seqs, 1, max_q * group, ctx_len], True = may attend
+    num_seqs: int
+    max_q: int
+    ctx_len: int
+    token_idx: torch.Tensor | None = None
+    real: torch.Tensor | None = None
+
+
+def _plan_group(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     query_lens: torch.Tensor,
+    max_q: int,
     num_key_blocks: int,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention for padded queries ``q [num_seqs, max_query_len, num_heads, head_dim]``.
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+) -> _Group:
+    """Gather index and causal mask for sequences whose queries are padded to ``max_q``.
 
     Query ``i`` of sequence ``s`` sits at position ``context_lens[s] - query_lens[s] + i`` and sees
-    every cached position up to and including its own. Rows past ``query_lens[s]`` are padding;
-    their output is finite and meaningless.
+    every cached position up to and including its own. Padding rows (``i >= query_lens[s]``) see
+    the whole context, so none of their softmax rows is empty (which would be NaN).
     """
-    num_seqs, max_q, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-
+    num_seqs = block_tables.shape[0]
+    device = block_tables.device
     slots, valid = _context_slots(block_tables, context_lens, block_size, num_key_blocks)
     ctx_len = slots.shape[1]
-    # Gather straight into SDPA's [S, Hkv, L, D] layout: row (slot, h) of the cache viewed as
-    # [num_slots * Hkv, D]. A contiguous result lets SDPA skip a second copy of K/V.
-    heads = torch.arange(num_kv_heads, device=slots.device)
+    heads = torch.arange(num_kv_heads, device=device)
     rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
-    k = k_cache.view(-1, head_dim).index_select(0, rows).view(num_seqs, num_kv_heads, ctx_len, head_dim)
-    v = v_cache.view(-1, head_dim).index_select(0, rows).view(num_seqs, num_kv_heads, ctx_len, head_dim)
 
-    # Fold the query heads of one KV group into the query axis: [S, Hkv, max_q * group, D].
+    q_pos = (context_lens - query_lens).long()[:, None] + torch.arange(max_q, device=device)[None, :]
+    key_pos = torch.arange(ctx_len, device=device)
+    allowed = (key_pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]  # [S, max_q, L]
+    # Every query head of a KV group gets the same mask (see _attend for the folding).
+    mask = allowed[:, None, :, None, :].expand(num_seqs, 1, max_q, group, ctx_len)
+    mask = mask.reshape(num_seqs, 1, max_q * group, ctx_len)
+    return _Group(rows, mask, num_seqs, max_q, ctx_len)
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Group,
+            scale: float) -> torch.Tensor:
+    """Attention for padded queries ``q [num_seqs, max_q, num_heads, head_dim]``."""
+    num_seqs, max_q, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    shape = (num_seqs, num_kv_heads, g.ctx_len, head_dim)
+    # One gather per cache, directly into SDPA's layout: a contiguous K/V needs no second copy.
+    k = k_cache.view(-1, head_dim).index_select(0, g.rows).view(shape)
+    v = v_cache.view(-1, head_dim).index_select(0, g.rows).view(shape)
+
+    # GQA without copying K/V per query head: the ``group`` query heads that share a KV head
+    # are folded into the query axis, so SDPA sees [S, Hkv, max_q * group, D] queries.
     q = q.reshape(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
     q = q.reshape(num_seqs, num_kv_heads, max_q * group, head_dim)
 
-    q_pos = (context_lens - query_lens).long()[:, None] + torch.arange(max_q, device=q.device)[None, :]
-    key_pos = torch.arange(ctx_len, device=q.device)
-    allowed = (key_pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]  # [S, max_q, L]
-    mask = allowed[:, None, :, None, :].expand(num_seqs, 1, max_q, group, ctx_len)
-    mask = mask.reshape(num_seqs, 1, max_q * group, ctx_len)
-
     # SDPA keeps the softmax in float32 for half inputs (fused kernels by design, the math
     # fallback because torch's reduced-precision math SDP is off by default).
-    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=g.mask, scale=scale)
     out = out.view(num_seqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
     return out.reshape(num_seqs, max_q, num_heads, head_dim)
 
@@ -127,42 +157,59 @@ def paged_decode_attention(
     Returns ``[num_seqs, num_heads, head_dim]``. The gather covers every block in the table's
     width, so this needs no host copy of ``context_lens`` (no device sync).
     """
-    num_seqs = q.shape[0]
-    ones = torch.ones(num_seqs, dtype=torch.int32, device=q.device)
-    out = _attend_padded(q[:, None], k_cache, v_cache, block_tables, context_lens, ones,
-                         block_tables.shape[1], scale)
-    return out[:, 0]
+    g = _plan_decode(block_tables, context_lens, block_tables.shape[1], k_cache.shape, q.shape[1])
+    return _attend(q[:, None], k_cache, v_cache, g, scale)[:, 0]
 
 
-def _attend_rows(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    rows: list[int],
-    scale: float,
-    out: torch.Tensor,
-) -> None:
-    """Attention for the sequences ``rows`` of a packed batch, written into their rows of ``out``."""
-    device = q.device
+def _plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, num_key_blocks: int,
+                 cache_shape: torch.Size, num_heads: int) -> _Group:
+    ones = torch.ones_like(context_lens)
+    return _plan_group(block_tables, context_lens, ones, 1, num_key_blocks, cache_shape[1], cache_shape[2],
+                       num_heads // cache_shape[2])
+
+
+def _plan_rows(meta: AttentionMetadata, rows: list[int], cache_shape: torch.Size, num_heads: int) -> _Group:
+    """The sub-batch of sequences ``rows`` of a packed batch, padded to its longest query."""
+    device = meta.block_tables.device
+    block_size, num_kv_heads = cache_shape[1], cache_shape[2]
     query_lens = [meta.query_lens[r] for r in rows]
-    context_lens = [meta.context_lens_list[r] for r in rows]
     max_q = max(query_lens)
-    block_size = k_cache.shape[1]
-    num_key_blocks = -(-max(context_lens) // block_size)
+    num_key_blocks = -(-max(meta.context_lens_list[r] for r in rows) // block_size)
 
-    starts = meta.query_start_loc[:-1].long()
     idx = torch.tensor(rows, device=device)
     q_lens = torch.tensor(query_lens, device=device)
     offs = torch.arange(max_q, device=device)
-    token_idx = starts[idx][:, None] + offs[None, :]
+    token_idx = meta.query_start_loc[:-1].long()[idx][:, None] + offs[None, :]
     real = offs[None, :] < q_lens[:, None]
     token_idx = torch.where(real, token_idx, 0)  # padding rows read token 0 and are dropped
 
-    q_pad = q[token_idx]
-    res = _attend_padded(q_pad, k_cache, v_cache, meta.block_tables[idx], meta.context_lens[idx],
-                         q_lens, num_key_blocks, scale)
-    out[token_idx[real]] = res[real]
+    g = _plan_group(meta.block_tables[idx], meta.context_lens[idx], q_lens, max_q, num_key_blocks,
+                    block_size, num_kv_heads, num_heads // num_kv_heads)
+    g.token_idx, g.real = token_idx, real
+    return g
+
+
+def _plan_batch(meta: AttentionMetadata, cache_shape: torch.Size, num_heads: int) -> list[_Group]:
+    if meta.is_decode:
+        # One query per sequence, already in order: no padding, no reordering.
+        num_key_blocks = -(-meta.max_context_len // cache_shape[1])
+        return [_plan_decode(meta.block_tables, meta.context_lens, num_key_blocks, cache_shape, num_heads)]
+    # Padding a batch to its longest query would make every decode row of a mixed batch pay
+    # for the longest prompt, so decode rows and prefill rows are padded separately.
+    decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
+    other_rows = [i for i, n in enumerate(meta.query_lens) if n > 1]
+    return [_plan_rows(meta, rows, cache_shape, num_heads) for rows in (decode_rows, other_rows) if rows]
+
+
+def _run_plan(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[_Group],
+              scale: float) -> torch.Tensor:
+    if len(plan) == 1 and plan[0].token_idx is None:
+        return _attend(q[:, None], k_cache, v_cache, plan[0], scale)[:, 0]
+    out = torch.empty_like(q)
+    for g in plan:
+        res = _attend(q[g.token_idx], k_cache, v_cache, g, scale)
+        out[g.token_idx[g.real]] = res[g.real]
+    return out
 
 
 def paged_attention(
@@ -179,23 +226,24 @@ def paged_attention(
     prefill, decode, prefill over a cached prefix, chunked prefill and mixed batches.
     Returns ``[num_tokens, num_heads, head_dim]``.
     """
-    if meta.num_seqs == 0:
+    if meta.num_seqs == 0 or q.shape[0] == 0:
         return torch.empty_like(q)
-    out = torch.empty_like(q)
-    # Padding a batch to its longest query would make every decode row of a mixed batch pay
-    # for the longest prompt, so decode rows and prefill rows are padded separately.
-    decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
-    other_rows = [i for i, n in enumerate(meta.query_lens) if n > 1]
-    for rows in (decode_rows, other_rows):
-        if rows:
-            _attend_rows(q, k_cache, v_cache, meta, rows, scale, out)
-    return out
+    return _run_plan(q, k_cache, v_cache, _plan_batch(meta, k_cache.shape, q.shape[1]), scale)
 
 
 class TorchBackend:
-    """The reference attention backend: works wherever PyTorch does."""
+    """The reference attention backend: works wherever PyTorch does.
+
+    Every layer of one forward pass gets the same metadata, so the gather indices and masks are
+    worked out once per batch (on the first layer) and reused by the other layers.
+    """
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self._key: tuple | None = None
+        self._plan: list[_Group] = []
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -203,6 +251,10 @@ class TorchBackend:
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if meta.is_decode and meta.num_seqs > 0:
-            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+        if meta.num_seqs == 0 or q.shape[0] == 0:
+            return torch.empty_like(q)
+        key = (tuple(k_cache.shape), q.shape[1])
+        if meta is not self._meta or key != self._key:
+            self._meta, self._key = meta, key
+            self._plan = _plan_batch(meta, k_cache.shape, q.shape[1])
+        return _run_plan(q, k_cache, v_cache, self._plan, scale)

@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import torch
 
-# Triton decides between compiling and interpreting when ``@triton.jit`` runs, i.e. when this
-# module defines its kernels, by reading TRITON_INTERPRET at that moment (triton 3.x; from 3.4
-# through ``triton.knobs.runtime.interpret``, earlier through ``os.environ``). So setting the
-# variable here, before the decorators below run, takes effect even when triton was already
-# imported by someone else. Checked on the CPU machine with triton 3.9: importing triton first and
-# this module second still yields interpreted kernels (``INTERPRET`` below is read back from the
-# kernel objects, not from the variable, and the tests assert it). ``setdefault`` leaves an
-# explicit choice alone, e.g. TRITON_INTERPRET=1 on a GPU machine to debug a kernel in Python.
+# Triton decides between compiling and interpreting when ``@triton.jit`` runs, by reading
+# TRITON_INTERPRET at that moment (triton 3.x; from 3.4 through ``triton.knobs``). So the variable
+# must be set before the decorators below run. ``setdefault`` leaves an explicit choice alone,
+# e.g. TRITON_INTERPRET=1 on a GPU machine to step through a kernel in Python.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -44,6 +41,36 @@ import triton.language as tl  # noqa: E402
 
 from tinyserve.attention.metadata import AttentionMetadata  # noqa: E402
 from tinyserve.attention.reference import paged_attention  # noqa: E402
+
+
+def _interpret_triton_stdlib() -> None:
+    """Make triton's own ``@jit`` helpers (tl.zeros, tl.max, tl.sum, ...) interpretable.
+
+    Found on the CPU machine (triton 3.9): setting the variable here is not enough when triton
+    was imported before this module. Triton's standard library is decorated when triton itself
+    is imported, so those helpers stay compiled-mode JITFunctions, and an interpreted kernel
+    that calls ``tl.max`` fails with "Cannot call @triton.jit'd outside of the scope of a
+    kernel". That import happens in practice: ``from transformers import LlamaForCausalLM``
+    imports torch._dynamo, which imports triton. So, only when interpreting, each such helper is
+    re-wrapped exactly as the decorator would have wrapped it had the variable been set first.
+    (Tensor-method forms such as ``x.sum()`` keep the compiled helper; the kernels here call the
+    ``tl.*`` functions.)
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    wrapped: dict[int, object] = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        for attr, obj in list(vars(module).items()):
+            if isinstance(obj, triton.runtime.JITFunction):
+                # One wrapper per function, shared by every module that re-exports it: the
+                # interpreter recognises tl.max/tl.sum's combine functions by identity to take
+                # its fast NumPy path.
+                if id(obj) not in wrapped:
+                    wrapped[id(obj)] = InterpretedFunction(obj.fn)
+                setattr(module, attr, wrapped[id(obj)])
+
 
 # log2(e): the kernels use exp2/log2, which map to single GPU instructions, so the softmax scale
 # is multiplied by log2(e) once and every exponent is taken base 2.
@@ -71,6 +98,7 @@ def _paged_decode_kernel(
     TILE_N: tl.constexpr,         # tokens per loop iteration, a power of two >= 16
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 caches, so fp32 stays fp32 (no TF32)
     SPLIT: tl.constexpr,          # write a partial result per partition instead of the output
+    UPCAST: tl.constexpr,         # multiply in float32 (the interpreter's bf16 tl.dot is wrong)
 ):
     """One program: one sequence, one KV head, one partition of the context.
 
@@ -95,6 +123,8 @@ def _paged_decode_kernel(
     dim_mask = dims < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
                 mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max of the scores
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)                # running sum of exp(score - max)
@@ -115,6 +145,8 @@ def _paged_decode_kernel(
         # cannot leak into the sums.
         k = tl.load(k_cache_ptr + blocks[:, None] * stride_kb + rows[:, None] * stride_ks
                     + kv_head * stride_kh + dims[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [G, N]
         scores = tl.where(tok_mask[None, :], scores, float("-inf"))
@@ -128,6 +160,8 @@ def _paged_decode_kernel(
 
         v = tl.load(v_cache_ptr + blocks[:, None] * stride_vb + rows[:, None] * stride_vs
                     + kv_head * stride_vh + dims[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
         # p is in [0, 1], so casting it to the cache's 16-bit type for the tensor cores loses
         # little; the product still accumulates in float32.
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -142,7 +176,8 @@ def _paged_decode_kernel(
         # Base-2 log-sum-exp of this partition's scores: enough to reweight its normalized
         # output later. An empty partition gets -inf, i.e. weight 0.
         tl.store(out_ptrs, out, mask=out_mask)
-        tl.store(lse_ptr + seq * stride_ls + heads * stride_lh + part, m_i + tl.log2(l_i), mask=head_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + seq * stride_ls + heads * stride_lh + part, lse, mask=head_mask)
     else:
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -199,16 +234,17 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
 ):
     """One program: one new token. Copies its K and V, all KV heads, into its flat cache slot
-    ``slot = block * BLOCK_SIZE + row``. A negative slot marks a token that must not be stored:
-    every access is masked off, so no address is touched.
+    ``slot = block * BLOCK_SIZE + row``. A negative slot marks a token that must not be stored.
     """
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return  # a padding token: its K/V is stored nowhere
     block = slot // BLOCK_SIZE
     row = slot % BLOCK_SIZE
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
-    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM) & (slot >= 0)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
 
     k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
@@ -224,7 +260,14 @@ def _is_interpreted(kernel: object) -> bool:
 
 
 INTERPRET: bool = _is_interpreted(_paged_decode_kernel)
-"""True when these kernels run through Triton's interpreter (no CUDA, or TRITON_INTERPRET=1)."""
+"""True when these kernels run through Triton's interpreter (no CUDA, or TRITON_INTERPRET=1).
+Read back from the kernel objects, so it says what really happened, not what was asked for.
+The interpreted path is tested with triton 3.9; triton 3.6's interpreter under NumPy 2.4 cannot
+use a loaded scalar as a ``range`` bound ("only 0-dimensional arrays can be converted"), as
+the decode kernel does. Compiled kernels are unaffected (checked: all compile for sm_90 with 3.6)."""
+
+if INTERPRET and isinstance(tl.zeros, triton.runtime.JITFunction):
+    _interpret_triton_stdlib()
 
 # A partition shorter than this costs more in the combine step than its parallelism buys.
 MIN_PARTITION_TOKENS = 256
@@ -234,23 +277,32 @@ def _pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(n))
 
 
-def _tile_tokens(block_size: int, head_dim_pad: int) -> int:
-    """Tokens per loop iteration: about 4096 K elements per tile (64 tokens at head_dim 64, 32
-    at 128) keeps a tile of K and V in registers with room to spare, and at least one whole
-    block and at least 16 rows for tl.dot."""
-    return max(16, _pow2(block_size), min(128, 4096 // head_dim_pad))
+def _tile_tokens(head_dim_pad: int) -> int:
+    """Tokens per loop iteration: a K tile of about 4096 elements (64 tokens at head_dim 64, 32
+    at 128) keeps K, V and their per-element addresses in registers without spilling (checked
+    with ptxas for sm_90), and at least 16 rows for tl.dot. It need not match the block size:
+    the per-token block lookup lets a tile cross block boundaries."""
+    return max(16, min(128, 4096 // head_dim_pad))
 
 
-def _auto_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Split the context only when the (sequence, KV head) programs are too few to keep every
-    streaming multiprocessor busy and the contexts are long enough to be worth cutting."""
-    if device.type != "cuda" or INTERPRET:
-        return 1  # the interpreter runs programs one by one: splitting only adds work
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """How many partitions to cut each context into (1 = the single-pass kernel).
+
+    Split only when the (sequence, KV head) programs are too few to keep every streaming
+    multiprocessor busy (two programs each), and only into partitions of at least
+    MIN_PARTITION_TOKENS tokens, below which the combine step costs more than it buys.
+    """
     programs = num_seqs * num_kv_heads
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    target = 2 * num_sms
     if programs >= target or max_context < 2 * MIN_PARTITION_TOKENS:
         return 1
     return max(1, min(math.ceil(target / programs), max_context // MIN_PARTITION_TOKENS))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda" or INTERPRET:
+        return 0  # the interpreter runs programs one by one: splitting only adds work
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_decode_attention(
@@ -263,15 +315,18 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     max_context_len: int | None = None,
+    tile_tokens: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """One new query per sequence, ``q [num_seqs, num_heads, head_dim]``, against its
     ``context_lens[s]`` cached tokens. Same contract as ``reference.paged_decode_attention``.
 
-    ``num_splits`` cuts each context into that many partitions that run in parallel and are
-    merged by a second kernel (None chooses: 1 unless the GPU would sit half idle). It is a
-    performance knob only; every value gives the same result up to rounding.
-    ``max_context_len`` (host int) bounds the contexts; without it the width of the block table
-    is used, which needs no device-to-host copy.
+    ``num_splits`` cuts each context into up to that many partitions (whole tiles each) that run
+    in parallel and are merged by a second kernel (None chooses: 1 unless the GPU would sit
+    half idle). It is a performance knob only; every value gives the same result up to rounding.
+    ``max_context_len`` (host int) must bound the contexts when the context is split; without it
+    the width of the block table is used, which needs no device-to-host copy.
+    ``tile_tokens`` (a power of two >= 16) and ``num_warps`` are tuning knobs for the benchmark.
     Returns ``[num_seqs, num_heads, head_dim]`` in q's dtype.
     """
     num_seqs, num_heads, head_dim = q.shape
@@ -291,19 +346,28 @@ def paged_decode_attention(
 
     group = num_heads // num_kv_heads
     head_dim_pad = _pow2(head_dim, 16)
-    tile = _tile_tokens(block_size, head_dim_pad)
+    tile = tile_tokens or _tile_tokens(head_dim_pad)
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile_tokens must be a power of two >= 16, got {tile}")
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
     max_context_len = max(1, max_context_len)
     if num_splits is None:
-        num_splits = _auto_num_splits(num_seqs, num_kv_heads, max_context_len, q.device)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, _num_sms(q.device))
     partition = tile * math.ceil(math.ceil(max_context_len / max(1, num_splits)) / tile)
-    num_parts = math.ceil(max_context_len / partition)
+    num_parts = math.ceil(max_context_len / partition)  # <= num_splits after the rounding
+    if num_parts == 1:
+        partition = 2**30  # one pass covers any context, even one longer than the hint said
 
+    # Triton's interpreter (3.9) multiplies bfloat16 tiles in tl.dot as their raw 16-bit
+    # patterns; under the interpreter bf16 tiles are widened to float32 first. Compiled kernels
+    # never take that branch (it is a constexpr, so it is not even in the binary).
+    upcast = INTERPRET and k_cache.dtype == torch.bfloat16
     consts = dict(
         GROUP=group, GROUP_PAD=_pow2(group, 16), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=tile,
-        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 or upcast else "tf32",
+        UPCAST=upcast,
     )
     common = (
         qk, k_cache, v_cache, block_tables, context_lens, scale * _LOG2E, partition,
@@ -315,7 +379,7 @@ def paged_decode_attention(
     if num_parts == 1:
         _paged_decode_kernel[(num_seqs, num_kv_heads, 1)](
             out, out, *common,  # lse_ptr is unused without a split
-            out.stride(0), out.stride(1), 0, 0, 0, SPLIT=False, **consts)
+            out.stride(0), out.stride(1), 0, 0, 0, SPLIT=False, num_warps=num_warps, **consts)
         return out
 
     part_out = torch.empty(num_seqs, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
@@ -323,7 +387,7 @@ def paged_decode_attention(
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_parts)](
         part_out, lse, *common,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), lse.stride(0), lse.stride(1),
-        SPLIT=True, **consts)
+        SPLIT=True, num_warps=num_warps, **consts)
     _combine_partitions_kernel[(num_seqs, num_heads)](
         out, part_out, lse, num_parts,
         out.stride(0), out.stride(1),

@@ -1,0 +1,1 @@
+"""Attention over a paged KV cache: the PyTorch reference and the Triton kernels."""

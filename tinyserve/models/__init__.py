@@ -1,0 +1,1 @@
+"""Models that run on the paged KV cache, and loading their weights."""
