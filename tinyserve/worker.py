@@ -51,6 +51,8 @@ class Worker:
                                            tp_rank=tp_rank, tp_size=tp_size, all_reduce=all_reduce,
                                            attention_backend=attention_backend)
         self.model = self.loaded.model
+        if loaded is not None:
+            self.model.set_attention_backend(attention_backend)
         cfg = self.loaded.hf_config
         self.num_layers = cfg.num_hidden_layers
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
