@@ -44,6 +44,8 @@ def store_kv(
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     slots = slot_mapping.long()
+    # Checking for padding reads a flag back from the device (a sync on CUDA); the engine packs
+    # batches without padding, so the filtering below rarely runs.
     if slots.numel() and bool((slots < 0).any()):
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
