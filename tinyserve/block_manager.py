@@ -51,12 +51,22 @@ class BlockSpaceManager:
     def _num_blocks_to_allocate(self, seq: Sequence) -> int:
         return seq.n_blocks
 
+    def _reserve(self) -> int:
+        """Blocks a newcomer must leave free. The watermark is there so that *running* sequences
+        can grow; on an empty GPU it protects nobody, and a preempted group that grew into it
+        while running could otherwise never come back."""
+        free = self.gpu_allocator.get_num_free_blocks()
+        return 0 if free == self.num_total_gpu_blocks else self.watermark_blocks
+
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
         seq = seq_group.get_seqs(SequenceStatus.WAITING)[0]
         required = self._num_blocks_to_allocate(seq)
-        if self.num_total_gpu_blocks - required < self.watermark_blocks:
+        # A new prompt that would eat into the watermark even on an empty cache never fits. A
+        # sequence preempted by recompute has already run: it needs only the cache itself.
+        floor = 0 if seq.get_output_len() > 0 else self.watermark_blocks
+        if self.num_total_gpu_blocks - required < floor:
             return AllocStatus.NEVER
-        if self.gpu_allocator.get_num_free_blocks() - required >= self.watermark_blocks:
+        if self.gpu_allocator.get_num_free_blocks() - required >= self._reserve():
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -163,7 +173,7 @@ class BlockSpaceManager:
         blocks = self._physical_blocks(seq_group)
         # One extra block per sequence: each will append a token right after coming back.
         required = len(blocks) + seq_group.num_seqs(SequenceStatus.SWAPPED)
-        return self.gpu_allocator.get_num_free_blocks() - required >= self.watermark_blocks
+        return self.gpu_allocator.get_num_free_blocks() - required >= self._reserve()
 
     def swap_in(self, seq_group: SequenceGroup) -> dict[int, int]:
         """Move the group's blocks CPU -> GPU. Returns {cpu block: gpu block}."""

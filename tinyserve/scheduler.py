@@ -273,7 +273,12 @@ class Scheduler:
             self._append_slots(group, out)
             self.running.append(group)
             out.swapped_in.append(group.request_id)
-            self._schedule(out, group, 1, is_prompt=False)
+            seq = group.get_seqs(SequenceStatus.RUNNING)[0]
+            if seq.is_prefill():  # swapped out halfway through a chunked prefill: resume it
+                budget = self.scheduler_config.max_num_batched_tokens - out.num_batched_tokens
+                self._schedule(out, group, min(seq.get_len() - seq.num_computed_tokens, budget), is_prompt=True)
+            else:
+                self._schedule(out, group, 1, is_prompt=False)
             num_seqs += n
 
     def _schedule(self, out: SchedulerOutputs, group: SequenceGroup, chunk: int, is_prompt: bool) -> None:
@@ -316,7 +321,9 @@ class Scheduler:
         out.blocks_to_swap_out.update(self.block_manager.swap_out(group))
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             seq.status = SequenceStatus.SWAPPED
-        self.swapped.append(group)
+        # To the front: victims are taken newest first, so this keeps `swapped` oldest first
+        # (FCFS when they come back) and `running` in arrival order after they do.
+        self.swapped.appendleft(group)
         out.swapped_out.append(group.request_id)
 
 

@@ -148,7 +148,9 @@ class Sequence:
 
     def is_prefill(self) -> bool:
         """True while some of its tokens (other than the last, newly sampled one) lack K/V."""
-        return self.num_computed_tokens < self.get_len() - 1 or self.num_computed_tokens == 0
+        # Only a sampled token may lack K/V in a decode: a prompt chunk that stops one token
+        # short of the prompt's end still leaves a prefill to finish.
+        return self.num_computed_tokens < self.get_len() - (1 if self.output_token_ids else 0)
 
     def reset_for_recompute(self) -> None:
         self.num_computed_tokens = 0
