@@ -23,7 +23,7 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check tinyserve tests benchmarks scripts
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --timeout=900 tests
 
 demo: $(STAMP)
 	$(PY) -m tinyserve

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-_SUBMODULES = ("memory", "scheduling", "cache", "attention", "engine", "parallel", "beyond")
+_SUBMODULES = ("memory", "scheduling", "cache", "attention", "engine", "parallel", "beyond", "kernel")
 
 
 def __getattr__(name: str):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 
 _SUBMODULES = ("source", "kv_cache", "blocks", "rounds", "stepper", "cache", "attention", "engine",
-               "parallel", "performance", "beyond", "figures")
+               "parallel", "performance", "beyond", "attention_kernel", "figures")
 
 
 def __getattr__(name: str):

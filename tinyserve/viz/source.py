@@ -10,11 +10,14 @@ class SourceView:
     """The source of one object, shown highlighted in Jupyter and as plain text elsewhere."""
 
     def __init__(self, obj: object) -> None:
+        # A @triton.jit kernel wraps its Python function in ``.fn``; show the function.
+        obj = getattr(obj, "fn", obj) if type(obj).__module__.startswith("triton") else obj
         self.obj = obj
         name = getattr(obj, "__qualname__", getattr(obj, "__name__", "?"))
         self.qualname = name if inspect.ismodule(obj) else f"{getattr(obj, '__module__', '?')}.{name}"
         self.code = textwrap.dedent(inspect.getsource(obj))
-        self.file = inspect.getsourcefile(obj)
+        # getsource follows a decorator's __wrapped__ to the real function; getsourcefile does not.
+        self.file = inspect.getsourcefile(inspect.unwrap(obj) if callable(obj) else obj)
         self.first_line = inspect.getsourcelines(obj)[1]
 
     def __repr__(self) -> str:
