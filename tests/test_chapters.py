@@ -12,7 +12,7 @@ from nbclient import NotebookClient
 CHAPTERS = sorted((Path(__file__).resolve().parents[1] / "chapters").glob("[0-9][0-9]_*.ipynb"))
 # DESIGN: each chapter runs in under 90 s on this 2-core machine. The hard ceiling here is a hang
 # guard with headroom for a noisy CI machine; measured times are printed (pytest -s shows them).
-CEILING_S = 180
+CEILING_S = 300
 
 
 def test_there_are_chapters():

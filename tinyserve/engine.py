@@ -152,11 +152,11 @@ class LLMEngine:
         produced: dict[str, str] = {}
         for (meta, seq), tokens in zip(rows, samples):
             group = self._groups[meta.request_id]
-            for token in tokens[1:]:
-                self._fork(group, seq, token)
+            children = [self._fork(group, seq, token) for token in tokens[1:]]
             seq.append_token_id(tokens[0])
             self._check_stop(group, seq)
-            produced[seq_key(group, seq)] = self.tokenizer.decode([tokens[0]])
+            for s, token in zip([seq, *children], tokens):
+                produced[seq_key(group, s)] = self.tokenizer.decode([token])
         finished = [m.request_id for m in metas if self._groups[m.request_id].is_finished()]
         self.scheduler.free_finished_seq_groups()
         outputs = [self._output(self._groups[m.request_id]) for m in metas]
@@ -179,7 +179,7 @@ class LLMEngine:
         first = meta.is_prompt and seq.get_output_len() == 0 and len(meta.seq_data) == 1
         return SampleRequest(params, num_samples=params.n if first else 1, generator=self._generators.get(seq.seq_id))
 
-    def _fork(self, group: SequenceGroup, parent: Sequence, token: int) -> None:
+    def _fork(self, group: SequenceGroup, parent: Sequence, token: int) -> Sequence:
         """Parallel sampling: a child shares the parent's blocks (copy-on-write) and takes its own token."""
         child = parent.fork(next(self._seq_ids))
         group.add(child)
@@ -189,6 +189,7 @@ class LLMEngine:
             self._generators[child.seq_id] = torch.Generator().manual_seed(seed + len(group.get_seqs()) - 1)
         child.append_token_id(token)
         self._check_stop(group, child)
+        return child
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
         params = group.sampling_params
