@@ -25,10 +25,11 @@ def describe_round(r: RoundRecord) -> str:
     for rid in r.swapped_in:
         lines.append(f"    {rid}: swapped back in from CPU")
     for rid in r.batch:
-        tok = r.tokens.get(rid)
+        # A request with several samples records each one's token under "rid.i".
+        toks = [t for k, t in r.tokens.items() if k == rid or k.startswith(rid + ".")]
         n = r.chunk_sizes.get(rid, 1)
         step = f"{n} prompt tokens" if n > 1 else "1 token"
-        lines.append(f"    {rid}: ran {step}" + (f", produced {tok!r}" if tok is not None else ""))
+        lines.append(f"    {rid}: ran {step}" + (f", produced {', '.join(map(repr, toks))}" if toks else ""))
     for rid in r.preempted:
         where = "swapped out to CPU" if rid in r.swapped_out else "sent back to waiting (recompute)"
         lines.append(f"    {rid}: preempted for lack of free blocks, {where}")
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> tuple[LLMEngine, list[RequestOutput]]:
     start = time.perf_counter()
     engine = LLMEngine(model_config, cache_config, scheduler_config, attention_backend=args.attention_backend)
     print(f"Loaded {args.model} on {engine.executor.device} ({engine.executor.dtype}) in "
-          f"{time.perf_counter() - start:.1f} s; attention backend {engine.executor.model.backend.name}; "
+          f"{time.perf_counter() - start:.1f} s; attention backend {engine.executor.backend_name}; "
           f"{cache_config.num_gpu_blocks} GPU blocks of {cache_config.block_size} tokens, "
           f"{cache_config.num_cpu_blocks} CPU blocks; token budget {scheduler_config.max_num_batched_tokens} per round")
     prompts = args.prompt or list(preset.prompts.values())

@@ -60,6 +60,10 @@ class Worker:
         self.cache_engine: CacheEngine | None = None
         self.block_size = 0
 
+    @property
+    def backend_name(self) -> str:
+        return self.model.backend.name
+
     def _block_args(self, block_size: int) -> tuple:
         return block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype
 

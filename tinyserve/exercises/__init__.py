@@ -7,19 +7,10 @@ also returns True or False, so the book's tests can check the checkers.
 
 from __future__ import annotations
 
-import importlib
+from tinyserve.viz import lazy_getattr
 
 _SUBMODULES = ("memory", "scheduling", "cache", "attention", "engine", "parallel", "beyond", "kernel")
 
 
 def __getattr__(name: str):
-    for sub in _SUBMODULES:
-        try:
-            module = importlib.import_module(f"{__name__}.{sub}")
-        except ModuleNotFoundError as e:
-            if e.name == f"{__name__}.{sub}":
-                continue
-            raise
-        if hasattr(module, name) and not name.startswith("_"):
-            return getattr(module, name)
-    raise AttributeError(f"module 'tinyserve.exercises' has no attribute {name!r}")
+    return lazy_getattr(__name__, _SUBMODULES, name)

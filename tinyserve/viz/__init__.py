@@ -13,14 +13,19 @@ _SUBMODULES = ("source", "kv_cache", "blocks", "rounds", "stepper", "cache", "at
                "parallel", "performance", "beyond", "attention_kernel", "figures")
 
 
-def __getattr__(name: str):
-    for sub in _SUBMODULES:
+def lazy_getattr(package: str, submodules: tuple[str, ...], name: str):
+    """Find ``name`` in the first of ``package``'s submodules that defines it (importing as it goes)."""
+    for sub in submodules:
         try:
-            module = importlib.import_module(f"{__name__}.{sub}")
+            module = importlib.import_module(f"{package}.{sub}")
         except ModuleNotFoundError as e:
-            if e.name == f"{__name__}.{sub}":
+            if e.name == f"{package}.{sub}":
                 continue
             raise
         if hasattr(module, name) and not name.startswith("_"):
             return getattr(module, name)
-    raise AttributeError(f"module 'tinyserve.viz' has no attribute {name!r}")
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+
+def __getattr__(name: str):
+    return lazy_getattr(__name__, _SUBMODULES, name)
