@@ -3,6 +3,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
+# OpenMP threads that busy-wait make torch many times slower whenever another process shares
+# the cores (a notebook kernel beside pytest, a second job); sleeping costs almost nothing.
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: venv test lint demo book figures lab bench gpu-check clean
 

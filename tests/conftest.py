@@ -8,10 +8,14 @@ that a 1e-6 difference could flip.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# Before torch starts its OpenMP threads (see the Makefile): notebook kernels inherit it too.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 CORPUS = [
     "Hello, my name is", "The future of AI is", "The life is", "List three colors: red, green, blue.",

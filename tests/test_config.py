@@ -93,3 +93,8 @@ def test_parallel_config():
     for bad in (0, -1, 1.0):
         with pytest.raises(ValueError, match="tensor_parallel_size"):
             ParallelConfig(tensor_parallel_size=bad)
+
+
+def test_chunked_prefill_defaults_to_a_small_round_budget():
+    assert SchedulerConfig(max_model_len=8192, enable_chunked_prefill=True).max_num_batched_tokens == 512
+    assert SchedulerConfig(max_num_seqs=600, enable_chunked_prefill=True).max_num_batched_tokens == 600

@@ -65,8 +65,10 @@ class SchedulerConfig:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_model_len", self.max_model_len)
         if self.max_num_batched_tokens is None:
-            # Like vLLM: a round must at least fit one full-length prompt.
-            self.max_num_batched_tokens = max(self.max_model_len, 2048)
+            # Like vLLM: without chunking a round must fit one full-length prompt; with chunking a
+            # small budget keeps every round short, so decodes never wait long behind a prompt.
+            self.max_num_batched_tokens = (max(512, self.max_num_seqs) if self.enable_chunked_prefill
+                                           else max(self.max_model_len, 2048))
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")

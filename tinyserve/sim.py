@@ -19,16 +19,24 @@ from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, Sequence
 @dataclass
 class Request:
     """A scripted request: a prompt of ``prompt_len`` tokens that will produce ``output_len``
-    tokens (its prefill produces the first), arriving before round ``arrival_round`` is scheduled."""
+    tokens (its prefill produces the first), arriving before round ``arrival_round`` is scheduled.
+
+    The prompt's tokens are made up and unlike any other request's, unless ``prompt_token_ids``
+    gives them: requests that share a prefix (a system prompt) can then share cached blocks.
+    """
 
     request_id: str
     prompt_len: int
     output_len: int
     arrival_round: int = 1
+    prompt_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1 or self.arrival_round < 1:
             raise ValueError(f"request {self.request_id!r}: prompt_len, output_len and arrival_round must be >= 1")
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
+            raise ValueError(f"request {self.request_id!r}: prompt_token_ids has {len(self.prompt_token_ids)} "
+                             f"tokens but prompt_len is {self.prompt_len}")
 
 
 @dataclass
@@ -121,8 +129,11 @@ def simulate(requests: list[Request], scheduler_config: SchedulerConfig, cache_c
     for round_no in range(1, max_rounds + 1):
         while pending and pending[0].arrival_round <= round_no:
             r = pending.pop(0)
-            # Distinct fake token ids per request, so no two prompts look alike.
-            prompt = [next(fake_token) for _ in range(r.prompt_len)]
+            # Distinct fake token ids per request, so no two prompts look alike (unless given).
+            if r.prompt_token_ids is not None:
+                prompt = list(r.prompt_token_ids)
+            else:
+                prompt = [next(fake_token) for _ in range(r.prompt_len)]
             seq = Sequence(next(seq_ids), None, prompt, cache_config.block_size)
             scheduler.add_seq_group(SequenceGroup(r.request_id, [seq], SamplingParams(max_tokens=r.output_len),
                                                   arrival_time=float(round_no)))

@@ -1,0 +1,25 @@
+"""An OpenAI-compatible HTTP server over the engine: ``python -m tinyserve.serve``.
+
+Requests arrive at any moment; the engine only moves forward when someone calls ``step()``.
+The server is three small pieces:
+
+- ``loop.EngineLoop``: one background task that steps the engine for as long as any request is
+  unfinished, in a worker thread so the event loop keeps accepting connections, and hands every
+  ``RequestOutput`` to a per-request queue. A new request joins the running batch at the next
+  step: continuous batching, seen from outside.
+- ``protocol``: OpenAI's request bodies, its error body, and its streaming chunk format
+  (server-sent events ending with ``data: [DONE]``).
+- ``app.create_app``: the FastAPI app with ``/v1/completions``, ``/v1/chat/completions`` (the
+  model's chat template), ``/v1/models`` and ``/health``. A client that disconnects has its
+  request aborted, which frees its blocks; invalid requests get a 400 with OpenAI's error body.
+
+``cli`` is the command line; ``app.ServerThread`` runs the app in a background thread for tests
+and notebooks.
+"""
+
+from tinyserve.serve.app import ServerThread, create_app
+from tinyserve.serve.cli import main, parser
+from tinyserve.serve.loop import EngineLoop
+from tinyserve.serve.protocol import APIError, stream_events
+
+__all__ = ["APIError", "EngineLoop", "ServerThread", "create_app", "main", "parser", "stream_events"]

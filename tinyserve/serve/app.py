@@ -1,0 +1,221 @@
+"""The FastAPI app: OpenAI's endpoints over one engine loop.
+
+A handler checks the request (400 for anything wrong, before the engine sees it), tokenizes
+the prompt (or renders the chat template) on the engine's thread, adds the request to the loop
+and waits for its first output. Errors before the first token are HTTP errors; after it, a
+streamed answer is sent as server-sent events. While it waits, a handler watches its
+connection: a client that goes away has its request aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tinyserve.engine import LLMEngine, RequestOutput
+from tinyserve.sequence import SamplingParams
+from tinyserve.serve.loop import EngineLoop
+from tinyserve.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    parse_body,
+    reject_unsupported,
+    stream_events,
+    to_sampling_params,
+    usage,
+)
+
+
+def create_app(engine: LLMEngine, model_name: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``; its lifespan starts and stops the engine loop."""
+    name = model_name or Path(str(engine.model_config.model)).name
+    max_model_len = engine.scheduler_config.max_model_len
+    state: dict[str, EngineLoop] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state["loop"] = EngineLoop(engine)
+        state["loop"].start()
+        yield
+        await state.pop("loop").stop()
+
+    app = FastAPI(title="tinyserve", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tinyserve",
+                                            "max_model_len": max_model_len}]}
+
+    def check_model(body: SamplingFields) -> None:
+        if body.model not in (None, name):
+            raise APIError(f"The model `{body.model}` does not exist; this server serves `{name}`.",
+                           param="model", status=404, code="model_not_found")
+
+    def check_length(num_prompt: int, max_tokens: int | None, prompt_param: str) -> int:
+        limit = engine.scheduler_config.prompt_limit
+        if num_prompt > limit or num_prompt >= max_model_len:
+            raise APIError(f"The prompt has {num_prompt} tokens, more than this server accepts ({limit} tokens; "
+                           f"the model's maximum context length is {max_model_len}). Shorten the prompt.",
+                           param=prompt_param, code="context_length_exceeded")
+        if max_tokens is None:
+            return max_model_len - num_prompt
+        if num_prompt + max_tokens > max_model_len:
+            raise APIError(f"This model's maximum context length is {max_model_len} tokens, but "
+                           f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, {max_tokens} "
+                           "for the completion). "
+                           "Shorten the prompt or lower max_tokens.", param="max_tokens",
+                           code="context_length_exceeded")
+        return max_tokens
+
+    def validate_ids(ids: list[int]) -> list[int]:
+        vocab = engine.executor.loaded.hf_config.vocab_size
+        if not ids:
+            raise APIError("the prompt is empty", param="prompt")
+        if any(not 0 <= t < vocab for t in ids):
+            raise APIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return ids
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionRequest)
+        check_model(body)
+        reject_unsupported(body)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError("only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        loop = state["loop"]
+        ids = validate_ids(list(prompt) if isinstance(prompt, list) else
+                           await loop.run_locked(engine.tokenizer.encode, prompt))
+        params = to_sampling_params(body, check_length(len(ids), body.max_tokens, "prompt"))
+        return await _respond(request, loop, f"cmpl-{uuid.uuid4().hex}", ids, params, body, chat=False, name=name)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await parse_body(request, ChatCompletionRequest)
+        check_model(body)
+        reject_unsupported(body)
+        if not getattr(engine.tokenizer, "chat_template", None):
+            raise APIError(f"the model `{name}` has no chat template; use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
+                     "".join(p.get("text", "") for p in m.content or [] if p.get("type") == "text")}
+                    for m in body.messages]
+        loop = state["loop"]
+
+        def render() -> list[int]:
+            text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return engine.tokenizer.encode(text, add_special_tokens=False)
+
+        ids = validate_ids(await loop.run_locked(render))
+        max_tokens = check_length(len(ids), body.max_completion_tokens or body.max_tokens, "messages")
+        params = to_sampling_params(body, max_tokens)
+        return await _respond(request, loop, f"chatcmpl-{uuid.uuid4().hex}", ids, params, body, chat=True,
+                              name=name)
+
+    return app
+
+
+async def _next(request: Request, loop: EngineLoop, request_id: str, queue: asyncio.Queue) -> RequestOutput | None:
+    """The request's next output, or None if the client went away first (its request is aborted)."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    getter = asyncio.ensure_future(queue.get())
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not getter.done():
+        getter.cancel()
+        loop.abort(request_id)
+        return None
+    item = getter.result()
+    if isinstance(item, Exception):
+        raise APIError(f"the engine failed: {item}", status=500, type_="server_error")
+    return item
+
+
+async def _respond(request: Request, loop: EngineLoop, request_id: str, ids: list[int], params: SamplingParams,
+                   body: SamplingFields, chat: bool, name: str):
+    try:
+        queue = await loop.add(request_id, ids, params)
+    except ValueError as e:  # the engine's own checks on the request
+        raise APIError(str(e), param="prompt") from None
+    created = int(time.time())
+    out = await _next(request, loop, request_id, queue)  # wait for the first one, so errors are HTTP errors
+    if out is None:
+        return JSONResponse({}, status_code=499)  # nobody is listening
+    if out.finished and out.error:  # the scheduler ignored it (it can never fit)
+        raise APIError(out.error, param="prompt")
+    if body.stream:
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        events = stream_events(loop, request_id, queue, out, params, created, chat, name, include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+    while not out.finished:
+        out = await _next(request, loop, request_id, queue)
+        if out is None:
+            return JSONResponse({}, status_code=499)
+    choices = [({"index": c.index, "message": {"role": "assistant", "content": c.text}} if chat else
+                {"index": c.index, "text": c.text, "logprobs": None}) | {"finish_reason": c.finish_reason}
+               for c in out.outputs]
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": name, "choices": choices, "usage": usage(out)}
+
+
+class ServerThread:
+    """Run an app with uvicorn in a background thread (tests, notebooks); port 0 picks a free one."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                    timeout_graceful_shutdown=10))
+        self.thread = threading.Thread(target=self.server.run, name="tinyserve-http", daemon=True)
+        self.host = host
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            raise RuntimeError("the server did not stop")
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
