@@ -70,8 +70,9 @@ step tests "$T_TESTS" "$PY" -m pytest -q tests -x -k "not slow" -p no:cacheprovi
 
 step bench "$T_BENCH" "$PY" benchmarks/kernel.py --quick --out "$OUT/kernel.csv"
 
-# --- end to end: s0/s1/s2 with a random-weight SmolLM2-shaped model (the lead adds this step) ---
-# step e2e "$T_E2E" "$PY" <end-to-end script> --out "$OUT/e2e.json"
+# End to end: s0/s1/s2 on a random-weight SmolLM2-shaped model (the real weights don't travel),
+# rounds compared with the simulator, Triton vs torch backends compared token for token.
+step e2e "$T_E2E" "$PY" scripts/e2e_random.py --device cuda --out "$OUT/e2e.json"
 
 echo "=== done in $((SECONDS - START))s; results in $OUT"
 cat "$SUMMARY"
