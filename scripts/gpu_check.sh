@@ -65,7 +65,7 @@ assert not tp.INTERPRET, "the Triton kernels would run in the interpreter"
 EOF
 ' "$PY"
 
-step tests "$T_TESTS" "$PY" -m pytest -q tests -x -k "not slow" -p no:cacheprovider \
+step tests "$T_TESTS" "$PY" -m pytest -q tests -k "not slow" --ignore=tests/test_chapters.py -p no:cacheprovider \
     --continue-on-collection-errors --junitxml="$OUT/pytest.xml" -o junit_family=xunit2
 
 step bench "$T_BENCH" "$PY" benchmarks/kernel.py --quick --out "$OUT/kernel.csv"
