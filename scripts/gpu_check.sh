@@ -23,9 +23,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this che
 # Compiled kernels, never the interpreter: the tests and the benchmark must measure the real thing.
 unset TRITON_INTERPRET
 T_INFO="${T_INFO:-30}"
-T_TESTS="${T_TESTS:-180}"
-T_BENCH="${T_BENCH:-150}"
-T_E2E="${T_E2E:-90}"
+T_TESTS="${T_TESTS:-120}"
+T_BENCH="${T_BENCH:-120}"
+T_E2E="${T_E2E:-60}"
+T_TPUT="${T_TPUT:-60}"
 
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -73,6 +74,12 @@ step bench "$T_BENCH" "$PY" benchmarks/kernel.py --quick --out "$OUT/kernel.csv"
 # End to end: s0/s1/s2 on a random-weight SmolLM2-shaped model (the real weights don't travel),
 # rounds compared with the simulator, Triton vs torch backends compared token for token.
 step e2e "$T_E2E" "$PY" scripts/e2e_random.py --device cuda --out "$OUT/e2e.json"
+
+# Throughput against transformers on random-weight models of SmolLM2's shape and a 1B Llama shape.
+step tput_smollm2 "$T_TPUT" "$PY" benchmarks/throughput.py --device cuda --model random-smollm2 --no-sweeps \
+    --out "$OUT/tput_smollm2"
+step tput_1b "$T_TPUT" "$PY" benchmarks/throughput.py --device cuda --model random-1b --no-sweeps \
+    --out "$OUT/tput_1b"
 
 echo "=== done in $((SECONDS - START))s; results in $OUT"
 cat "$SUMMARY"

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from tinyserve.viz import lazy_getattr
 
-_SUBMODULES = ("memory", "scheduling", "cache", "attention", "engine", "parallel", "beyond", "kernel")
+_SUBMODULES = ("memory", "scheduling", "cache", "attention", "engine", "parallel", "performance", "beyond",
+               "kernel")
 
 
 def __getattr__(name: str):

@@ -1,0 +1,101 @@
+"""Checkers for the exercises of chapter 11 (performance).
+
+- ``check_static_efficiency``: the share of computed decode slots that produce a wanted token
+  under static batching, against ``viz.rounds.static_batching``.
+- ``check_kv_utilization``: the share of allocated KV slots holding a token over a whole run,
+  against the memory benchmark's ``viz.performance.kv_utilization`` (the real scheduler).
+- ``check_decode_chunks``: how the reference attention cuts a decode batch into sub-batches,
+  against ``attention.reference._decode_chunks``.
+"""
+
+from __future__ import annotations
+
+import random
+import reprlib
+from collections.abc import Callable
+
+import torch
+
+from tinyserve.attention import reference
+from tinyserve.exercises.verdict import verdict
+from tinyserve.sim import Request
+from tinyserve.viz.performance import kv_utilization
+from tinyserve.viz.rounds import static_batching
+
+_repr = reprlib.Repr()
+_repr.maxlist = 8
+
+
+def _run(name: str, fn: Callable, cases: list[tuple[tuple, object]], close: bool = False) -> bool:
+    failures = []
+    for args, expected in cases:
+        shown = ", ".join(_repr.repr(a) for a in args)
+        try:
+            got = fn(*args)
+        except Exception as e:  # the reader's code: any error is a failed case
+            failures.append(f"({shown}) raised {type(e).__name__}: {e}")
+            continue
+        ok = abs(got - expected) <= 1e-9 if close and isinstance(got, (int, float)) else got == expected
+        if not ok:
+            failures.append(f"({shown}) -> {_repr.repr(got)}, expected {_repr.repr(expected)}")
+    return verdict(name, failures, len(cases))
+
+
+def static_efficiency_reference(output_lens: list[int], batch_size: int) -> float:
+    """Useful decode slots over computed ones, read off the static-batching rounds: every member
+    of a batch computes in every round of its batch, wanted or not."""
+    records = static_batching([Request(f"r{i}", 4, n) for i, n in enumerate(output_lens)], batch_size)
+    return sum(len(r.batch) for r in records) / sum(len(r.running) for r in records)
+
+
+def check_static_efficiency(fn: Callable[[list[int], int], float], num_cases: int = 60, seed: int = 0) -> bool:
+    """``fn(output_lens, batch_size)``: under static batching (batches of ``batch_size`` requests
+    in order, each running until its longest member is done), the share of computed token slots
+    that produce a token some request wants."""
+    rng = random.Random(seed)
+    cases = [(([5], 1), 1.0), (([4, 4, 4], 2), 1.0), (([1, 9], 2), static_efficiency_reference([1, 9], 2))]
+    while len(cases) < num_cases:
+        lens = [rng.randint(1, 40) for _ in range(rng.randint(1, 20))]
+        bs = rng.randint(1, 8)
+        cases.append(((lens, bs), static_efficiency_reference(lens, bs)))
+    return _run("static_efficiency", lambda lens, bs: fn(list(lens), bs), cases, close=True)
+
+
+def check_kv_utilization(fn: Callable[[list[int], list[int], int], float], num_cases: int = 40,
+                         seed: int = 1) -> bool:
+    """``fn(prompt_lens, output_lens, block_size)``: every request starts in round 1 (its prefill
+    computes the prompt and yields its first token) and then decodes one token a round until it
+    has ``output_len`` tokens, when it frees its blocks. After each round, a running request holds
+    the tokens computed so far in just enough blocks. Return the sum over rounds of tokens held
+    over the sum of slots allocated (paged, ``block_size`` tokens a block)."""
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < num_cases:
+        n = rng.randint(1, 8)
+        prompts = [rng.randint(1, 100) for _ in range(n)]
+        outputs = [rng.randint(2, 60) for _ in range(n)]  # 1-token outputs would hold nothing at all
+        bs = rng.choice([1, 4, 8, 16, 32])
+        expected = kv_utilization(prompts, outputs, bs, max_num_seqs=8, max_model_len=4096)["paged"]
+        cases.append(((prompts, outputs, bs), expected))
+    return _run("kv_utilization", lambda p, o, bs: fn(list(p), list(o), bs), cases, close=True)
+
+
+def check_decode_chunks(fn: Callable[[list[int], int, int], list[list[int]]], num_cases: int = 60,
+                        seed: int = 2) -> bool:
+    """``fn(context_lens, block_size, budget)``: cut a decode batch into sub-batches. Visit the rows
+    in order of context length (ties: lower row first) and add each to the current sub-batch,
+    unless the sub-batch already has rows and adding this one would make (rows in it) x (its
+    longest context rounded up to whole blocks) exceed ``budget`` slots: then the row starts a
+    new sub-batch (even if it alone exceeds the budget). Return each sub-batch's row indices,
+    sorted, in the order the sub-batches were made."""
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < num_cases:
+        ctx = [rng.randint(1, 400) for _ in range(rng.randint(1, 40))]
+        bs = rng.choice([8, 16, 32])
+        budget = rng.choice([bs, 256, 1024, 4096, 10**6])
+        # The package counts values (slots x KV heads x head_dim); one head of size one makes it slots.
+        expected = reference._decode_chunks(list(range(len(ctx))), ctx, torch.Size((1, bs, 1, 1)),
+                                            budget=budget)
+        cases.append(((ctx, bs, budget), expected))
+    return _run("decode_chunks", lambda c, bs, b: [list(x) for x in fn(list(c), bs, b)], cases)
