@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tinyserve.block_manager import BlockSpaceManager
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.engine import CompletionOutput, RequestOutput
-from tinyserve.exercises.verdict import verdict
+from tinyserve.exercises.verdict import run_cases
 from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 from tinyserve.serve import stream_events
 from tinyserve.sim import Request, simulate
@@ -29,17 +29,6 @@ _repr.maxlist = 12
 _repr.maxstring = 60
 
 
-def _run_cases(name: str, fn: Callable, cases: list[tuple[tuple, object]], show: Callable[[tuple], str]) -> bool:
-    failures = []
-    for args, expected in cases:
-        try:
-            got = fn(*args)
-        except Exception as e:  # the reader's code: any error is a failed case
-            failures.append(f"{show(args)}: raised {type(e).__name__}: {e}")
-            continue
-        if got != expected:
-            failures.append(f"{show(args)}: got {_repr.repr(got)}, expected {_repr.repr(expected)}")
-    return verdict(name, failures, len(cases))
 
 
 # -- prefix caching -----------------------------------------------------------------------------
@@ -75,7 +64,7 @@ def check_cached_tokens(fn: Callable[[list[int], list[list[int]], int], int], nu
         prompt = base[: rng.randint(0, len(base))] + [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
         cases.append(((prompt, [e for e in earlier if e], rng.choice([1, 2, 4, 8])), None))
     cases = [(args, cached_tokens(*args)) for args, _ in cases]
-    return _run_cases("cached_tokens", lambda p, e, b: fn(list(p), [list(x) for x in e], b), cases,
+    return run_cases("cached_tokens", lambda p, e, b: fn(list(p), [list(x) for x in e], b), cases,
                       lambda a: f"prompt={_repr.repr(a[0])}, earlier={_repr.repr(a[1])}, block_size={a[2]}")
 
 
@@ -105,7 +94,7 @@ def check_prefill_chunks(fn: Callable[[int, list[int], int], list[int]], num_cas
         decode_left = [rng.randint(0, 12) for _ in range(rng.randint(0, 5))]
         cases.append((rng.randint(1, 200), decode_left, rng.randint(len(decode_left) + 1, 48)))
     cases = [((p, list(d), b), prefill_chunks(p, d, b)) for p, d, b in cases]
-    return _run_cases("prefill_chunks", lambda p, d, b: list(fn(p, list(d), b)), cases,
+    return run_cases("prefill_chunks", lambda p, d, b: list(fn(p, list(d), b)), cases,
                       lambda a: f"prompt_len={a[0]}, decode_left={a[1]}, budget={a[2]}")
 
 
@@ -156,4 +145,4 @@ def check_stream_text(fn: Callable[[str], dict[int, str]], num_cases: int = 60, 
         outputs = _outputs(rng, n)
         body = stream_body(outputs, chat=bool(k % 2), include_usage=rng.random() < 0.3, n=n)
         cases.append(((body,), {c.index: c.text for c in outputs[-1].outputs}))
-    return _run_cases("stream_text", fn, cases, lambda a: f"body={_repr.repr(a[0])}")
+    return run_cases("stream_text", fn, cases, lambda a: f"body={_repr.repr(a[0])}")

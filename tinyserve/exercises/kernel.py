@@ -15,27 +15,8 @@ from collections.abc import Callable
 import torch
 
 from tinyserve.attention.triton_paged import MIN_PARTITION_TOKENS, choose_num_splits
-from tinyserve.exercises.verdict import verdict
+from tinyserve.exercises.verdict import run_cases
 from tinyserve.viz.attention_kernel import kv_bytes_per_step, partition_layout
-
-
-def _run(name: str, fn: Callable, cases: list[tuple[tuple, object]], same: Callable[[object, object], bool],
-         show: Callable[[tuple], str] = repr) -> bool:
-    failures = []
-    for args, expected in cases:
-        try:
-            got = fn(*args)
-        except Exception as e:  # the reader's code: any error is a failed case
-            failures.append(f"{name}({show(args)}) raised {type(e).__name__}: {e}")
-            continue
-        try:
-            ok = same(got, expected)
-        except Exception:  # a result of the wrong shape or type
-            ok = False
-        if not ok:
-            failures.append(f"{name}({show(args)}) -> {got!r}, expected {expected!r}")
-    return verdict(name, failures, len(cases))
-
 
 # -- merging two partitions --------------------------------------------------------------------
 
@@ -86,7 +67,7 @@ def check_merge_partitions(fn: Callable, num_cases: int = 100, seed: int = 0) ->
     def show(args):
         return f"o_a[{len(args[0])}], lse_a={args[1]:.4g}, o_b[{len(args[2])}], lse_b={args[3]:.4g}"
 
-    return _run("merge_partitions", fn, cases, same, show)
+    return run_cases("merge_partitions", fn, cases, describe=show, same=same)
 
 
 # -- how the context is split ------------------------------------------------------------------
@@ -105,7 +86,7 @@ def check_num_splits(fn: Callable[[int, int, int, int], int], num_cases: int = 3
         ctx = rng.choice([rng.randint(1, 4 * MIN_PARTITION_TOKENS), rng.randint(1, 65536)])
         cases.append(((rng.choice([1, 2, 3, 8, 16, 64, 256]), rng.choice([1, 2, 3, 4, 8]), ctx, sms), None))
     cases = [(args, choose_num_splits(*args)) for args, _ in cases]
-    return _run("num_splits", fn, cases, lambda a, b: a == b)
+    return run_cases("num_splits", fn, cases, same=lambda a, b: a == b)
 
 
 def check_partition_layout(fn: Callable[[int, int, int], tuple[int, int]], num_cases: int = 300,
@@ -121,7 +102,7 @@ def check_partition_layout(fn: Callable[[int, int, int], tuple[int, int]], num_c
         tile = rng.choice([16, 32, 64, 128])
         cases.append((rng.randint(1, 40_000), rng.choice([1, 2, 3, 5, 8, 33, 64, 128]), tile))
     cases = [(args, partition_layout(*args)) for args in cases]
-    return _run("partition_layout", fn, cases, lambda a, b: tuple(a) == b)
+    return run_cases("partition_layout", fn, cases, same=lambda a, b: tuple(a) == b)
 
 
 # -- grouped-query attention: which program serves a query head ---------------------------------
@@ -142,7 +123,7 @@ def check_kv_head_of(fn: Callable[[int, int, int], tuple[int, int]], num_cases: 
         # The rows each program loads, written as the kernel writes them; find the head among them.
         owners = {kv_head * group + r: (kv_head, r) for kv_head in range(kv) for r in range(group)}
         expected.append(((head, num_heads, kv), owners[head]))
-    return _run("kv_head_of", fn, expected, lambda a, b: tuple(a) == b)
+    return run_cases("kv_head_of", fn, expected, same=lambda a, b: tuple(a) == b)
 
 
 # -- bytes one decode step reads ---------------------------------------------------------------
@@ -158,4 +139,4 @@ def check_decode_kv_bytes(fn: Callable[[list[int], int, int, int], int], num_cas
         lens = [rng.randint(1, 9000) for _ in range(rng.randint(1, 12))]
         cases.append((lens, rng.choice([1, 2, 3, 8, 32]), rng.choice([64, 80, 128]), rng.choice([1, 2, 4])))
     cases = [(args, kv_bytes_per_step(*args)) for args in cases]
-    return _run("decode_kv_bytes", fn, cases, lambda a, b: a == b)
+    return run_cases("decode_kv_bytes", fn, cases, same=lambda a, b: a == b)

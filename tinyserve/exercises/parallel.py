@@ -15,7 +15,7 @@ import random
 from collections.abc import Callable
 from types import SimpleNamespace
 
-from tinyserve.exercises.verdict import verdict
+from tinyserve.exercises.verdict import run_cases
 from tinyserve.parallel import shard_shapes, weight_bytes_per_rank
 
 SPLIT_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -37,17 +37,6 @@ def _random_config(rng: random.Random) -> tuple[SimpleNamespace, int]:
     return cfg, k
 
 
-def _cases(name: str, cases: list[tuple[tuple, object]], fn: Callable, describe: Callable) -> bool:
-    failures = []
-    for args, want in cases:
-        try:
-            got = fn(*args)
-        except Exception as e:  # the reader's code: a crash is a failed case
-            failures.append(f"{describe(*args)}: raised {type(e).__name__}: {e}")
-            continue
-        if got != want:
-            failures.append(f"{describe(*args)}: expected {want!r}, got {got!r}")
-    return verdict(name, failures, len(cases))
 
 
 def _describe_config(cfg, k, *rest) -> str:
@@ -72,7 +61,7 @@ def check_shard_shapes(fn: Callable, num_cases: int = 60, seed: int = 0) -> bool
         got = fn(cfg, k)
         return {name: tuple(got[name]) for name in SPLIT_WEIGHTS} if isinstance(got, dict) else got
 
-    return _cases("shard_shapes", cases, only_split, _describe_config)
+    return run_cases("shard_shapes", only_split, cases, lambda args: _describe_config(*args))
 
 
 def check_weight_bytes_per_rank(fn: Callable, num_cases: int = 60, seed: int = 0) -> bool:
@@ -85,7 +74,7 @@ def check_weight_bytes_per_rank(fn: Callable, num_cases: int = 60, seed: int = 0
         cfg, k = _random_config(rng)
         b = rng.choice([1, 2, 4])
         cases.append(((cfg, k, b), weight_bytes_per_rank(cfg, k, b)["total"]))
-    return _cases("weight_bytes_per_rank", cases, fn, _describe_config)
+    return run_cases("weight_bytes_per_rank", fn, cases, lambda args: _describe_config(*args))
 
 
 # How each kind of layer wants its input and leaves its output, across the ranks:
@@ -117,4 +106,5 @@ def check_communication(fn: Callable[[list[str]], list[str]], num_cases: int = 8
     cases = [(kinds,) for kinds in fixed]
     while len(cases) < num_cases:
         cases.append(([rng.choice(KINDS) for _ in range(rng.randint(1, 8))],))
-    return _cases("communication", [(c, communication_plan(*c)) for c in cases], fn, lambda kinds: f"{kinds}")
+    return run_cases("communication", fn, [(c, communication_plan(*c)) for c in cases],
+                     lambda args: str(args[0]))
