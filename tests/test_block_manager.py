@@ -75,6 +75,62 @@ def test_allocate_gives_every_waiting_sequence_the_same_fresh_blocks():
     assert bm.get_block_device(a) == Device.GPU
 
 
+def test_allocate_refuses_one_shared_table_for_samples_that_have_generated_tokens():
+    # Two samples with different generated tokens (a multi-sample group preempted by recompute)
+    # would write different K/V into the same slots.
+    bm = BlockSpaceManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, watermark=0.0)
+    g = make_group("a", 5, 4, num_seqs=2)
+    for i, seq in enumerate(g.get_seqs()):
+        seq.append_token_id(7 + i)
+    with pytest.raises(ValueError, match="'a'.*swapped, not recomputed"):
+        bm.allocate(g)
+    assert bm.get_num_free_gpu_blocks() == 8 and not bm.block_tables  # nothing was taken
+    lone = make_group("b", 5, 4)
+    lone.get_seqs()[0].append_token_id(7)
+    bm.allocate(lone)  # one sequence with generated tokens is a plain recompute: fine
+    assert len(bm.get_block_table(lone.get_seqs()[0])) == 2
+
+
+def _peak_demand(block_size: int, prompt_len: int, n: int, max_len: int) -> int:
+    """Play a group's whole life on a roomy manager (prefill, fork into n samples, decode until
+    each has max_len tokens) and record the most blocks the scheduler's checks ever ask for:
+    what the group holds plus what can_append_slot wants before a decode, or plus the block per
+    sample that can_swap_in reserves, were it swapped out before that decode."""
+    bm = BlockSpaceManager(block_size, 1000, 1000, watermark=0.0)
+    g = make_group("g", prompt_len, block_size)
+    parent = g.get_seqs()[0]
+    bm.allocate(g)
+    parent.status = SequenceStatus.RUNNING
+    peak = 1000 - bm.get_num_free_gpu_blocks()
+    parent.append_token_id(1)  # the prefill samples the first token ...
+    for i in range(1, n):  # ... of each sample
+        child = parent.fork(next(_ids))
+        child.output_token_ids[-1] = 1 + i
+        g.add(child)
+        bm.fork(parent, child)
+    seqs = g.get_seqs()
+    while seqs[0].get_len() < max_len:
+        held = 1000 - bm.get_num_free_gpu_blocks()
+        wants = sum(bm._needs_new_block(s) for s in seqs)
+        assert bm.can_append_slot(g) == (bm.get_num_free_gpu_blocks() >= wants)
+        peak = max(peak, held + wants, held + len(seqs))
+        for i, s in enumerate(seqs):
+            bm.append_slot(s)
+            s.append_token_id(100 + i)
+    return peak
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 4, 5])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_worst_case_num_blocks_is_the_peak_the_scheduler_can_ask_for(block_size, n):
+    bm = BlockSpaceManager(block_size, 8, 0)
+    for prompt_len in range(1, 12):
+        for max_len in range(prompt_len + 1, prompt_len + 14):
+            assert bm.worst_case_num_blocks(prompt_len, n, max_len) == _peak_demand(block_size, prompt_len, n,
+                                                                                    max_len), \
+                (prompt_len, max_len)
+
+
 # -- growth -------------------------------------------------------------------------------------
 
 

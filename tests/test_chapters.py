@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
@@ -19,9 +20,19 @@ def test_there_are_chapters():
     assert len(CHAPTERS) >= 3
 
 
+def _tree_digest(*folders: Path) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for folder in folders for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=[p.stem for p in CHAPTERS])
 def test_chapter_executes(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("TINYSERVE_FIGURES_DIR", str(tmp_path / "figures"))
+    # As a reader runs it: no TINYSERVE_FIGURES_DIR, so figures go to the temp directory, which
+    # TMPDIR points at this test's own folder. The checkout must come out unchanged.
+    monkeypatch.delenv("TINYSERVE_FIGURES_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    repo = path.parents[1]
+    before = _tree_digest(repo / "figures", repo / "chapters")
     nb = nbformat.read(path, as_version=4)
     code_cells = [c for c in nb.cells if c.cell_type == "code"]
     assert code_cells, f"{path.name} has no code"
@@ -33,4 +44,5 @@ def test_chapter_executes(path: Path, tmp_path: Path, monkeypatch: pytest.Monkey
     print(f"{path.name}: {elapsed:.1f} s")
     assert elapsed < CEILING_S
     # The chapter drew at least one figure into the figures directory.
-    assert list((tmp_path / "figures").glob("*.png")), f"{path.name} saved no figure"
+    assert list((tmp_path / "tinyserve-figures").glob("*.png")), f"{path.name} saved no figure"
+    assert _tree_digest(repo / "figures", repo / "chapters") == before, f"running {path.name} changed the checkout"

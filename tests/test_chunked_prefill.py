@@ -35,7 +35,7 @@ def make_engine(loaded, *, chunked: bool, budget: int | None = None, prefix: boo
                     enable_prefix_caching=prefix),
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                         preemption_mode=preemption_mode, enable_chunked_prefill=chunked),
-        executor=Worker(mc, attention_backend="torch", loaded=loaded),
+        executor=Worker(mc, attention_backend="torch", loaded=loaded), record_history=True,
     )
 
 

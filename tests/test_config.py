@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, resolve_device, resolve_dtype
 
 
 def test_cache_config_defaults_follow_the_design():
@@ -73,18 +74,39 @@ def test_prompt_limit_is_the_token_budget_unless_prompts_can_be_chunked():
 
 def test_model_config():
     m = ModelConfig()
-    assert (m.model, m.device, m.dtype, m.seed) == ("smollm2-135m", "auto", None, 0)
+    assert (m.model, m.device, m.dtype, m.seed, m.max_model_len) == ("smollm2-135m", "auto", "auto", 0, None)
     for device in ("auto", "cpu", "cuda", "cuda:1"):
         assert ModelConfig(device=device).device == device
-    for dtype in ("float32", "float16", "bfloat16", "auto"):
-        assert ModelConfig(dtype=dtype).dtype == dtype
+    assert ModelConfig(max_model_len=64).max_model_len == 64
+
+
+@pytest.mark.parametrize(("dtype", "name"), [
+    (None, "auto"), ("auto", "auto"), ("half", "float16"), ("float16", "float16"), ("bfloat16", "bfloat16"),
+    ("float", "float32"), ("float32", "float32"),
+    (torch.float16, "float16"), (torch.half, "float16"), (torch.bfloat16, "bfloat16"), (torch.float32, "float32"),
+    (torch.float, "float32"),
+])
+def test_model_config_takes_torch_dtypes_and_vllm_dtype_strings(dtype, name):
+    assert ModelConfig(dtype=dtype).dtype == name
+    # Resolved once, by one rule: a name to its torch dtype, "auto" to float32 on the CPU.
+    expected = torch.float32 if name == "auto" else getattr(torch, name)
+    assert resolve_dtype(ModelConfig(dtype=dtype).dtype, "cpu") is expected
 
 
 @pytest.mark.parametrize(("field", "value"), [("device", "tpu"), ("device", "gpu"), ("dtype", "int8"),
-                                              ("dtype", "fp16")])
+                                              ("dtype", "fp16"), ("dtype", torch.float64), ("dtype", torch.int8),
+                                              ("dtype", 16), ("max_model_len", 0), ("max_model_len", -1),
+                                              ("max_model_len", 1.5), ("seed", "0")])
 def test_model_config_rejects_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         ModelConfig(**{field: value})
+
+
+def test_device_resolution_refuses_cuda_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="cuda"):
+        resolve_device("cuda")
 
 
 def test_parallel_config():

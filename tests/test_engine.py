@@ -3,13 +3,16 @@ sampling, parallel sampling with copy-on-write, bad input, and the demo."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from tinyserve import presets, sim
 from tinyserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from tinyserve.engine import LLM, LLMEngine
-from tinyserve.sequence import SamplingParams
+from tinyserve.sequence import SamplingParams, Sequence
 from tinyserve.worker import Worker
 
 PROMPTS = [
@@ -25,7 +28,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 def make_engine(loaded, *, block_size=16, num_gpu_blocks=256, num_cpu_blocks=64, policy="vllm",
                 preemption_mode=None, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=None,
-                backend="torch", watermark=0.01, seed=0) -> LLMEngine:
+                backend="torch", watermark=0.01, seed=0, record_history=False) -> LLMEngine:
     worker = Worker(ModelConfig(model=str(loaded.path), device="cpu", dtype="float32", seed=seed),
                     attention_backend=backend, loaded=loaded)
     return LLMEngine(
@@ -34,7 +37,7 @@ def make_engine(loaded, *, block_size=16, num_gpu_blocks=256, num_cpu_blocks=64,
                     watermark=watermark),
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, policy=policy, preemption_mode=preemption_mode),
-        executor=worker,
+        executor=worker, record_history=record_history,
     )
 
 
@@ -111,9 +114,12 @@ def unconstrained(tiny_loaded):
 def test_tiny_block_pool_preempts_without_changing_output(tiny_loaded, unconstrained, policy, mode):
     # 7 blocks of 8 tokens for six sequences that each grow to 25-33 tokens: constant preemption.
     engine = make_engine(tiny_loaded, block_size=8, num_gpu_blocks=7, num_cpu_blocks=32, policy=policy,
-                         preemption_mode=mode, max_model_len=56, watermark=0.0)
+                         preemption_mode=mode, max_model_len=56, watermark=0.0, record_history=True)
     assert run_all(engine, PROMPTS, GREEDY) == unconstrained
     assert any(r.preempted for r in engine.history), "the tiny pool should force preemptions"
+    # The running totals the server's /metrics reads agree with the recorded rounds.
+    assert engine.num_preemptions_total == sum(len(r.preempted) for r in engine.history)
+    assert engine.num_generation_tokens_total == sum(map(len, unconstrained.values()))
     if mode == "swap":
         assert any(r.swapped_out for r in engine.history) and any(r.swapped_in for r in engine.history)
     assert_no_leaks(engine)
@@ -129,7 +135,7 @@ def test_block_size_does_not_change_output(tiny_loaded, unconstrained, block_siz
 @pytest.mark.parametrize("policy", ["vllm", "orca"])
 def test_requests_arriving_mid_run_get_the_same_tokens(tiny_loaded, unconstrained, policy):
     engine = make_engine(tiny_loaded, policy=policy, num_gpu_blocks=12, block_size=8, max_model_len=96,
-                         preemption_mode="swap", watermark=0.0)
+                         preemption_mode="swap", watermark=0.0, record_history=True)
     assert run_all(engine, PROMPTS, GREEDY, arrivals=[0, 0, 3, 5, 5, 9]) == unconstrained
     if policy == "orca":
         assert any(r.phase == "mixed" for r in engine.history)
@@ -227,6 +233,107 @@ def test_stop_strings_and_stop_token_ids(tiny_loaded, unconstrained):
     assert_no_leaks(engine)
 
 
+def test_the_stop_string_that_starts_first_wins_when_two_complete_in_one_step(tiny_loaded, unconstrained):
+    # Find a step whose new text completes two stop strings at once: B straddles the old text
+    # and the new piece, A lies inside the new piece (after B's start). Listed as [A, B], the
+    # text must still be cut where B starts.
+    from tinyserve.detokenizer import detokenize_incrementally
+
+    def two_stops_in_one_step():
+        for rid, ids in unconstrained.items():
+            seq = Sequence(0, None, [1], block_size=16)
+            for k, t in enumerate(ids):
+                before = seq.output_text
+                seq.append_token_id(t)
+                piece = detokenize_incrementally(tiny_loaded.tokenizer, seq)
+                text, n = seq.output_text, len(before)
+                if n and len(piece) >= 2 and text.find(text[n - 1:n + 1]) == n - 1 and text.find(piece[1:]) == n + 1:
+                    return rid, ids[:k + 1], piece[1:], text[n - 1:n + 1], before[:n - 1]
+        raise AssertionError("no step of the reference outputs completes two stop strings at once")
+
+    rid, ids, a, b, expected = two_stops_in_one_step()
+    engine = make_engine(tiny_loaded)
+    engine.add_request(rid, PROMPTS[int(rid[1:])], SamplingParams(temperature=0, max_tokens=20, stop=[a, b]))
+    while engine.has_unfinished_requests():
+        (out,) = engine.step()
+    c = out.outputs[0]
+    assert (c.text, c.finish_reason) == (expected, "stop")
+    assert c.token_ids == ids
+
+
+def test_a_request_whose_own_step_fails_is_aborted_while_the_others_finish(tiny_loaded, unconstrained, monkeypatch):
+    import tinyserve.engine as engine_module
+
+    engine = make_engine(tiny_loaded)
+    overflowing = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=5)
+    sampler = engine.sampler
+
+    def sample(logits, requests):  # as if this request's logits overflowed (float16, say)
+        logits = logits.clone()
+        for i, r in enumerate(requests):
+            if r.params is overflowing:
+                logits[i] = float("inf")
+        return sampler(logits, requests)
+
+    undecodable = tiny_loaded.tokenizer.encode(PROMPTS[4])
+    detokenize = engine_module.detokenize_incrementally
+
+    def detokenize_or_fail(tokenizer, seq):  # a tokenizer that chokes on this request's third token
+        if seq.prompt_token_ids == undecodable and seq.get_output_len() == 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return detokenize(tokenizer, seq)
+
+    engine.sampler = sample
+    monkeypatch.setattr(engine_module, "detokenize_incrementally", detokenize_or_fail)
+    for i in range(3):
+        engine.add_request(f"r{i}", PROMPTS[i], GREEDY)
+    engine.add_request("nan", PROMPTS[3], overflowing)
+    engine.add_request("text", None, GREEDY, prompt_token_ids=undecodable)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs |= {o.request_id: o for o in engine.step() if o.finished}
+    assert {rid: outs[rid].outputs[0].token_ids for rid in ("r0", "r1", "r2")} == \
+           {rid: unconstrained[rid] for rid in ("r0", "r1", "r2")}
+    assert outs["nan"].outputs[0].finish_reason == "abort" and outs["nan"].outputs[0].token_ids == []
+    assert "'nan'" in outs["nan"].error and "not finite" in outs["nan"].error
+    assert outs["text"].outputs[0].finish_reason == "abort" and len(outs["text"].outputs[0].token_ids) == 3
+    assert "detokenization failed" in outs["text"].error
+    assert_no_leaks(engine)
+    assert not engine._groups and not engine._generators
+
+
+# -- observers ------------------------------------------------------------------------------------
+
+def test_callbacks_hear_every_step_and_history_is_kept_only_when_asked(tiny_loaded):
+    engine = make_engine(tiny_loaded)
+    with pytest.raises(RuntimeError, match="record_history=True"):
+        _ = engine.history
+    events = []
+    engine.add_callback(lambda eng, event: events.append(event))
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=5, seed=3, ignore_eos=True)
+    engine.add_request("a", PROMPTS[0], params)
+    engine.add_request("b", PROMPTS[1], GREEDY)
+    final = {}
+    while engine.has_unfinished_requests():
+        final |= {o.request_id: o for o in engine.step() if o.finished}
+    produced: dict[tuple[str, int], list[int]] = {}
+    for event in events:
+        for group, seq, token in event.produced:
+            produced.setdefault((group.request_id, group.get_seqs().index(seq)), []).append(token)
+    assert produced == {(rid, c.index): c.token_ids for rid, out in final.items() for c in out.outputs}
+    assert sorted(rid for e in events for rid in e.finished) == ["a", "b"]
+    assert [e.outputs for e in events][-1][0].finished
+    assert engine.num_generation_tokens_total == 2 * 5 + 20
+    assert engine.times.history == [] and engine.times.model > 0  # totals only, no per-step list
+
+
+def test_the_engine_core_loads_neither_the_simulator_nor_the_recorder():
+    code = ("import sys, tinyserve.engine; print([m for m in sys.modules "
+            "if m in ('tinyserve.sim', 'tinyserve.recording') or m.startswith('tinyserve.viz')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 # -- bad input ----------------------------------------------------------------------------------
 
 def test_an_over_long_prompt_is_ignored_with_a_message_while_the_others_finish(tiny_loaded, unconstrained):
@@ -294,7 +401,7 @@ def test_demo_prints_the_rounds_the_scheduler_records(mode, capsys, smollm2_load
 
     # Reuse the session's loaded model rather than loading it a second time.
     monkeypatch.setattr(demo, "LLMEngine", lambda mc, cc, sc, **kw: LLMEngine(
-        mc, cc, sc, executor=Worker(mc, loaded=smollm2_loaded)))
+        mc, cc, sc, executor=Worker(mc, loaded=smollm2_loaded), record_history=kw["record_history"]))
     engine, outs = demo.run(demo.parser().parse_args(["--preemption-mode", mode, "--device", "cpu"]))
     printed = capsys.readouterr().out
     preset = presets.seed_rounds(mode)

@@ -129,9 +129,10 @@ def victims(running, needs_block, num_free_blocks, oldest_first=False, self_firs
 
 
 def mode(num_seqs, setting):
-    if setting is not None:
-        return setting
-    return "recompute" if num_seqs == 1 else "swap"
+    # Recompute rebuilds a single sequence only: several are swapped even when recompute is forced.
+    if setting == "swap" or num_seqs > 1:
+        return "swap"
+    return "recompute"
 
 
 def swap_in(num_blocks, num_seqs, num_free_gpu_blocks, watermark_blocks):
@@ -156,6 +157,7 @@ def test_chapter_05_checkers_reject_wrong_answers():
     assert not ex.check_preemption_mode(lambda n, s: s or "recompute")
     assert not ex.check_preemption_mode(lambda n, s: s or "swap")
     assert not ex.check_preemption_mode(lambda n, s: mode(n, None))  # ignores the setting
+    assert not ex.check_preemption_mode(lambda n, s: s or mode(n, None))  # recomputes several sequences
     assert not ex.check_swap_in(lambda b, n, f, w: f - b >= w)  # forgets the appended token
     assert not ex.check_swap_in(lambda b, n, f, w: f >= b + n)  # forgets the watermark
     assert not ex.check_swap_in(lambda b, n, f, w: f - (b + n) > w)

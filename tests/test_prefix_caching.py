@@ -41,7 +41,7 @@ def make_engine(loaded, *, prefix: bool, block_size: int = BS, num_gpu_blocks: i
                     watermark=0.0, enable_prefix_caching=prefix),
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=16, max_model_len=max_model_len,
                         policy=policy, preemption_mode=preemption_mode, enable_chunked_prefill=chunked),
-        executor=Worker(mc, attention_backend="torch", loaded=loaded),
+        executor=Worker(mc, attention_backend="torch", loaded=loaded), record_history=True,
     )
 
 

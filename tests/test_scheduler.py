@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from tinyserve.block import Device, OutOfBlocksError
+from tinyserve.block import Device
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.scheduler import Scheduler
 from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
@@ -26,9 +26,9 @@ def make_scheduler(policy: str = "vllm", mode: str | None = None, block_size: in
     )
 
 
-def add(sched: Scheduler, rid: str, prompt_len: int, n: int = 1) -> SequenceGroup:
+def add(sched: Scheduler, rid: str, prompt_len: int, n: int = 1, max_tokens: int = 16) -> SequenceGroup:
     seq = Sequence(next(_ids), None, [next(_tokens) for _ in range(prompt_len)], sched.cache_config.block_size)
-    group = SequenceGroup(rid, [seq], SamplingParams(n=n), arrival_time=0.0)
+    group = SequenceGroup(rid, [seq], SamplingParams(n=n, max_tokens=max_tokens), arrival_time=0.0)
     sched.add_seq_group(group)
     return group
 
@@ -254,7 +254,7 @@ def test_abort_from_each_queue_frees_blocks():
 
 def test_abort_a_forked_group_frees_its_shared_blocks():
     sched = make_scheduler(block_size=4, gpu=8)
-    g = add(sched, "A", 3, n=2)
+    g = add(sched, "A", 3, n=2, max_tokens=4)
     step(sched)
     parent = g.get_seqs()[0]
     child = parent.fork(next(_ids))
@@ -318,7 +318,7 @@ def _forked(sched: Scheduler, group: SequenceGroup) -> None:
 
 def test_forked_samples_copy_their_shared_last_block_on_write():
     sched = make_scheduler(block_size=4, gpu=8)
-    g = add(sched, "A", 2, n=2)
+    g = add(sched, "A", 2, n=2, max_tokens=4)
     step(sched)
     _forked(sched, g)
     shared = table(sched, g, 0)
@@ -335,7 +335,7 @@ def test_forked_samples_copy_their_shared_last_block_on_write():
 def test_no_preemption_mode_recomputes_a_single_sequence_group():
     # A (n=2, older) and B (n=1, newest): A's two samples each need a block; B cannot get one.
     sched = make_scheduler(mode=None, block_size=2, gpu=4, cpu=4)
-    a = add(sched, "A", 2, n=2)
+    a = add(sched, "A", 2, n=2, max_tokens=2)  # small enough to fit: see test_never_fits.py
     b = add(sched, "B", 2)
     step(sched)
     _forked(sched, a)
@@ -349,7 +349,7 @@ def test_no_preemption_mode_swaps_a_group_with_several_sequences():
     # A (n=1, older) and B (n=2, newest): B's two samples need two blocks, one is left.
     sched = make_scheduler(mode=None, block_size=2, gpu=4, cpu=4)
     a = add(sched, "A", 2)
-    b = add(sched, "B", 2, n=2)
+    b = add(sched, "B", 2, n=2, max_tokens=2)
     step(sched)
     _forked(sched, b)
     shared = table(sched, b)
@@ -370,30 +370,66 @@ def test_no_preemption_mode_swaps_a_group_with_several_sequences():
     assert_all_free(sched)
 
 
-def test_forced_recompute_applies_to_groups_with_several_sequences_too():
+def test_forced_recompute_still_swaps_a_group_with_several_sequences():
+    # Recompute would bring B's two different samples back through one shared block table.
     sched = make_scheduler(mode="recompute", block_size=2, gpu=4, cpu=4)
     add(sched, "A", 2)
-    b = add(sched, "B", 2, n=2)
+    b = add(sched, "B", 2, n=2, max_tokens=2)
     step(sched)
     _forked(sched, b)
     _, out = step(sched)
-    assert out.preempted == ["B"] and out.blocks_to_swap_out == {} and ids(sched.waiting) == ["B"]
-    assert all(s.seq_id not in sched.block_manager.block_tables for s in b.get_seqs())
+    assert out.preempted == ["B"] and out.swapped_out == ["B"] and ids(sched.swapped) == ["B"]
+    assert len(out.blocks_to_swap_out) == 1 and not sched.waiting
+    assert all(s.status == SequenceStatus.SWAPPED for s in b.get_seqs())
 
 
-@pytest.mark.parametrize(("mode", "n"), [("swap", 1), (None, 2)])
-def test_running_out_of_cpu_swap_space_raises_a_clear_error(mode, n):
-    # n=1: two 4-token prompts fill the 4 blocks; n=2: two forked pairs need 4 new blocks, 2 are left.
-    prompt_len = 4 if n == 1 else 2
-    sched = make_scheduler(mode=mode, block_size=2, gpu=4, cpu=0)
-    a, b = add(sched, "A", prompt_len, n=n), add(sched, "B", prompt_len, n=n)
+def test_forced_recompute_still_recomputes_a_single_sequence():
+    sched, a, b = _two_full_prompts("recompute")
+    _, out = step(sched)
+    assert out.preempted == ["B"] and out.swapped_out == [] and ids(sched.waiting) == ["B"]
+
+
+def test_without_cpu_swap_space_a_single_sequence_falls_back_to_recompute():
+    sched = make_scheduler(mode="swap", block_size=2, gpu=4, cpu=0, max_tokens=8, max_num_seqs=2)
+    a, b = add(sched, "A", 4), add(sched, "B", 4)
     step(sched)
-    if n == 2:
-        _forked(sched, a)
-        _forked(sched, b)
-    with pytest.raises(OutOfBlocksError, match="swap space") as err:
-        sched.schedule()
-    assert "num_cpu_blocks" in str(err.value) and "recompute" in str(err.value)
+    _, out = step(sched)  # A needs a third block; B cannot be swapped out, so it is recomputed
+    assert out.preempted == ["B"] and out.swapped_out == [] and out.blocks_to_swap_out == {}
+    assert ids(sched.waiting) == ["B"] and ids(out.scheduled_seq_groups) == ["A"]
+    assert b.get_seqs()[0].status == SequenceStatus.WAITING and not out.ignored_seq_groups
+    finish(sched, a)
+    _, out = step(sched)
+    assert ids(out.scheduled_seq_groups) == ["B"] and out.phase == "prefill"
+    finish(sched, b)
+    assert_all_free(sched)
+
+
+@pytest.mark.parametrize("cpu", [0, 1])
+def test_a_group_that_can_neither_swap_nor_recompute_is_finished_alone(cpu):
+    # A and B (n=2 each) hold a shared block each; their first decode needs 4 new blocks, 2 are
+    # free. B, the newest, can go neither to the CPU (its block needs 1 CPU block; with cpu=1 the
+    # only one is taken) nor back to waiting (two samples): B alone is finished.
+    sched = make_scheduler(mode=None, block_size=2, gpu=4, cpu=cpu)
+    a = add(sched, "A", 2, n=2, max_tokens=2)
+    b = add(sched, "B", 2, n=2, max_tokens=2)
+    step(sched)
+    _forked(sched, a)
+    _forked(sched, b)
+    if cpu:  # fill the one CPU block
+        sched.block_manager.cpu_allocator.allocate()
+    b_tokens = [s.get_token_ids() for s in b.get_seqs()]
+    _, out = sched.schedule()
+    assert out.ignored_seq_groups == [b] and out.preempted == [] and not out.blocks_to_swap_out
+    assert ids(out.scheduled_seq_groups) == ["A"] and ids(sched.running) == ["A"]
+    assert not (sched.waiting or sched.swapped)
+    assert "CPU swap space is full" in b.error and "num_cpu_blocks" in b.error
+    assert all(s.status.finish_reason == "ignored" and s.finish_message == b.error for s in b.get_seqs())
+    assert [s.get_token_ids() for s in b.get_seqs()] == b_tokens  # what it generated is kept
+    assert all(s.seq_id not in sched.block_manager.block_tables for s in b.get_seqs())
+    finish(sched, a)
+    if cpu:
+        sched.block_manager.cpu_allocator.free(sched.block_manager.cpu_allocator.blocks[0])
+    assert_all_free(sched)
 
 
 def test_orca_mixes_prefill_and_decode_in_one_round():
@@ -487,7 +523,7 @@ def test_nothing_is_swapped_in_during_a_round_that_preempted():
     # which frees enough blocks for S. S still waits for a round without preemption.
     sched = make_scheduler(mode=None, block_size=2, gpu=7, cpu=8)
     add(sched, "A", 4), add(sched, "V", 6)
-    s = add(sched, "S", 2, n=2)
+    s = add(sched, "S", 2, n=2, max_tokens=6)
     step(sched)
     _forked(sched, s)
     _, out = step(sched)

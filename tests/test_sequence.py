@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tinyserve.sampling_params import MAX_N, MIN_TEMPERATURE
 from tinyserve.sequence import (
     LogicalTokenBlock,
     SamplingParams,
@@ -33,23 +34,46 @@ def test_sampling_params_normalises_stop():
 
 
 def test_sampling_params_accepts_the_edges_of_each_range():
-    SamplingParams(n=4, temperature=0.5, top_p=1e-6, top_k=1, max_tokens=1, seed=-7)
+    SamplingParams(n=4, temperature=0.5, top_p=1e-6, top_k=1, max_tokens=1, seed=0)
     SamplingParams(top_p=1.0, top_k=-1, temperature=0)
+    SamplingParams(n=MAX_N, temperature=MIN_TEMPERATURE, top_k=2**31 - 1, max_tokens=2**31 - 1,
+                   stop_token_ids=[0, 2**31 - 1], ignore_eos=True)
+    SamplingParams(seed=2**63 - 1)
+    SamplingParams(n=3, seed=2**63 - 3)  # the third sample's generator takes seed + 2 = 2**63 - 1
+    SamplingParams(temperature=1e30, stop=("a", "b"))
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("n", 0), ("n", -1), ("n", 1.5), ("n", True),
-    ("temperature", -0.1), ("temperature", "hot"),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -1), ("top_p", None),
-    ("top_k", 0), ("top_k", -2), ("top_k", 2.5), ("top_k", True),
-    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.0), ("max_tokens", False),
-    ("stop", ""), ("stop", [""]), ("stop", ["ok", 3]),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]),
-    ("seed", "42"), ("seed", 1.5), ("seed", True),
+    ("n", 0), ("n", -1), ("n", 1.5), ("n", True), ("n", MAX_N + 1),
+    ("temperature", -0.1), ("temperature", "hot"), ("temperature", float("nan")), ("temperature", float("inf")),
+    ("temperature", 1e-38), ("temperature", MIN_TEMPERATURE / 2), ("temperature", True), ("temperature", 10**400),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -1), ("top_p", None), ("top_p", float("nan")),
+    ("top_k", 0), ("top_k", -2), ("top_k", 2.5), ("top_k", True), ("top_k", 2**31), ("top_k", 2**63),
+    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.0), ("max_tokens", False), ("max_tokens", 2**31),
+    ("stop", ""), ("stop", [""]), ("stop", ["ok", 3]), ("stop", 123), ("stop", {"a": 1}),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]), ("stop_token_ids", 5),
+    ("stop_token_ids", [2**31]),
+    ("ignore_eos", 1), ("ignore_eos", "yes"), ("ignore_eos", None),
+    ("seed", "42"), ("seed", 1.5), ("seed", True), ("seed", -1), ("seed", 2**63), ("seed", 2**64 - 1),
 ])
 def test_invalid_sampling_params_raise_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_a_seed_whose_children_would_overflow_is_refused():
+    # Sample i draws from seed + i: the last must still be a valid 64-bit seed.
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(n=2, seed=2**63 - 1)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(n=2, seed=18446744073709551615)  # the value from the issue
+
+
+def test_verify_catches_a_field_changed_after_construction():
+    p = SamplingParams()
+    p.temperature = 1e-38
+    with pytest.raises(ValueError, match="temperature"):
+        p.verify()
 
 
 def test_several_greedy_samples_are_refused():

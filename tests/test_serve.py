@@ -28,23 +28,28 @@ PROMPTS = ["Hello, my name is", "The future of AI is", "The life is", "List thre
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 12
+LONG = 100  # tokens of a stream that is still running while other requests come and go
 MAX_MODEL_LEN = 128
 
 
 @pytest.fixture(scope="module")
 def served(tiny_loaded):
-    """(llm, server, offline completions of PROMPTS, offline chat answer)."""
+    """(llm, server, offline completions of PROMPTS, offline chat answer).
+
+    ``llm.offline_long`` holds the offline texts of PROMPTS[:3] with LONG greedy tokens."""
     mc = ModelConfig(model=str(tiny_loaded.path), device="cpu", dtype="float32")
     llm = LLM.__new__(LLM)  # reuse the session's loaded model rather than loading it again
     llm.engine = LLMEngine(mc, CacheConfig(block_size=8, num_gpu_blocks=96, num_cpu_blocks=16),
                            SchedulerConfig(max_num_seqs=8, max_model_len=MAX_MODEL_LEN),
-                           executor=Worker(mc, attention_backend="torch", loaded=tiny_loaded))
+                           executor=Worker(mc, attention_backend="torch", loaded=tiny_loaded), record_history=True)
     llm._counter = iter(range(10**6))
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     offline = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy)]
     chat_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
                                     add_special_tokens=False)
     chat = llm.generate(prompt_token_ids=[chat_ids], sampling_params=greedy)[0].outputs[0].text
+    llm.offline_long = [o.outputs[0].text for o in llm.generate(
+        PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True))]
     server = ServerThread(create_app(llm.engine, model_name="tiny")).start()
     try:
         yield llm, server, offline, chat
@@ -323,3 +328,390 @@ def test_a_stream_holds_back_what_could_still_become_a_stop_string_or_a_characte
               if line.startswith("data: ") and line != "data: [DONE]"]
     assert "".join(pieces) == "abé"
     assert all("\ufffd" not in p and "X" not in p for p in pieces)
+
+
+# -- issue 12: hostile input is refused at the boundary, and never hurts the other requests ----
+
+def error_of(r: httpx.Response, status: int = 400) -> dict:
+    """The OpenAI error body of a response that must have this status."""
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json")
+    error = r.json()["error"]
+    assert error["message"] and error["type"] in ("invalid_request_error", "server_error")
+    return error
+
+
+async def stream_text(client: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None) -> tuple:
+    """(text of choice 0, finish reasons, error events) of a streamed completion."""
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = []
+        async for line in r.aiter_lines():
+            lines.append(line)
+            if started is not None and line.startswith("data: "):
+                started.set()
+    events = sse_events(lines)
+    chunks = [e for e in events if "choices" in e]
+    reasons = [c["finish_reason"] for e in chunks for c in e["choices"] if c["finish_reason"]]
+    return "".join(e["choices"][0]["text"] for e in chunks), reasons, [e for e in events if "error" in e]
+
+
+HOSTILE = [  # each once made the shared engine step raise and failed every stream in flight
+    ({"temperature": 1e-38}, "temperature"),
+    ({"top_k": 9223372036854775808}, "top_k"),
+    ({"n": 2, "seed": 18446744073709551615, "temperature": 1}, "seed"),
+]
+
+
+def test_hostile_sampling_values_get_a_400_while_three_streams_finish_normally(served):
+    llm, server, _, _ = served
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            started = [asyncio.Event() for _ in range(3)]
+            streams = [asyncio.ensure_future(stream_text(client, completion(p, max_tokens=LONG), ev))
+                       for p, ev in zip(PROMPTS[:3], started)]
+            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 30)
+            bad = await asyncio.gather(*(client.post("/v1/completions", json=completion("x", **fields))
+                                         for fields, _ in HOSTILE))
+            running = [not s.done() for s in streams]
+            return bad, running, await asyncio.wait_for(asyncio.gather(*streams), 60)
+
+    bad, running, streamed = asyncio.run(main())
+    for r, (_, param) in zip(bad, HOSTILE):
+        assert error_of(r)["param"] == param
+    assert any(running)  # the bad requests did arrive while the streams were going
+    for (text, reasons, errors), expected in zip(streamed, llm.offline_long):
+        assert (text, reasons, errors) == (expected, ["length"], [])
+    wait_until_idle(llm.engine)
+    assert_all_blocks_free(llm.engine)
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"temperature": 1e-6}, "temperature"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_k": 10**6}, "top_k"),  # beyond the vocabulary
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"n": 2, "temperature": 1, "seed": 2**63 - 1}, "seed"),  # the second sample's seed would overflow
+    ({"n": 9, "temperature": 1}, "n"),  # more sequences than the server runs at once (max_num_seqs=8)
+    ({"n": 17, "temperature": 1}, "n"),
+    ({"max_tokens": 2**31}, "max_tokens"),
+    ({"max_tokens": 1.5}, "max_tokens"),
+    ({"stop": ["a"] * 17}, "stop"),
+    ({"stop": ""}, "stop.0"),
+    ({"stop": ["x" * 257]}, "stop.0"),
+    ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"presence_penalty": 1e300}, "presence_penalty"),
+])
+def test_every_sampling_field_has_a_range(served, fields, param):
+    _, server, _, _ = served
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        assert error_of(client.post("/v1/completions", json=completion("x", **fields)))["param"] == param
+        # The chat endpoint shares the fields and their checks.
+        chat = {"model": "tiny", "messages": CHAT, "max_tokens": 4, "temperature": 0, **fields}
+        assert error_of(client.post("/v1/chat/completions", json=chat))["param"] == param
+
+
+@pytest.mark.parametrize("raw,param", [('"temperature": NaN', "temperature"), ('"top_p": Infinity', "top_p"),
+                                       ('"temperature": -Infinity', "temperature")])
+def test_nan_and_infinity_are_refused(served, raw, param):
+    _, server, _, _ = served
+    body = '{"model": "tiny", "prompt": "x", ' + raw + "}"  # Python's json reads these; JSON has no such numbers
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert error_of(r)["param"] == param
+
+
+def test_values_at_the_edge_of_each_range_are_served(served):
+    llm, server, offline, _ = served
+    vocab = llm.engine.executor.loaded.hf_config.vocab_size
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for fields in [{"temperature": 1e-5, "seed": 0}, {"top_k": vocab, "temperature": 0.7, "seed": 1},
+                       {"n": 2, "temperature": 1, "seed": 2**63 - 2}, {"n": 8, "temperature": 1, "seed": 5},
+                       {"stop_token_ids": [vocab - 1], "temperature": 0}]:
+            r = client.post("/v1/completions", json=completion(PROMPTS[0], **fields))
+            assert r.status_code == 200, (fields, r.text)
+            assert [c["index"] for c in r.json()["choices"]] == list(range(fields.get("n", 1)))
+        # Greedy at the temperature floor is still a sample, but a near-deterministic one.
+        r = client.post("/v1/completions", json=completion(PROMPTS[0], temperature=1e-5, seed=3)).json()
+    assert r["choices"][0]["text"] == offline[0]
+
+
+def test_sampling_params_errors_become_400s_naming_the_field(served):
+    _, server, _, _ = served
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        # Checked by SamplingParams itself (greedy samples would be identical), not by pydantic.
+        assert error_of(client.post("/v1/completions", json=completion("x", n=2)))["param"] == "n"
+
+
+def test_a_step_that_fails_for_one_request_fails_only_that_request(served, monkeypatch):
+    """The engine finishes the request it can blame with an error (finish_reason "abort"); here
+    that request is picked by its prompt, three tokens in, and the others must finish untouched."""
+    from tinyserve.engine import CompletionOutput, RequestOutput
+
+    llm, server, _, _ = served
+    engine, real_step = llm.engine, llm.engine.step
+    victim = llm.tokenizer.encode(PROMPTS[3])
+
+    def step():
+        outs = real_step()
+        for i, o in enumerate(outs):
+            if o.prompt_token_ids == victim and not o.finished and len(o.outputs[0].token_ids) >= 3:
+                engine.abort_request(o.request_id)
+                outs[i] = RequestOutput(o.request_id, o.prompt, o.prompt_token_ids,
+                                        [CompletionOutput(c.index, c.text, c.token_ids, "abort") for c in o.outputs],
+                                        finished=True, error="sampling failed for this request")
+        return outs
+
+    monkeypatch.setattr(engine, "step", step)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            streams = [stream_text(client, completion(p, max_tokens=LONG)) for p in PROMPTS[:3]]
+            plain = client.post("/v1/completions", json=completion(PROMPTS[3], max_tokens=LONG))
+            streamed_victim = stream_text(client, completion(PROMPTS[3], max_tokens=LONG))
+            return await asyncio.wait_for(asyncio.gather(plain, streamed_victim, *streams), 60)
+
+    plain, (_, reasons, errors), *streamed = asyncio.run(main())
+    assert "sampling failed" in error_of(plain, 500)["message"]
+    assert reasons == ["abort"] and len(errors) == 1 and "sampling failed" in errors[0]["error"]["message"]
+    for (text, reasons, errors), expected in zip(streamed, llm.offline_long):
+        assert (text, reasons, errors) == (expected, ["length"], [])
+    monkeypatch.undo()
+    wait_until_idle(llm.engine)
+    assert_all_blocks_free(llm.engine)
+
+
+def test_a_step_that_fails_for_no_known_request_fails_those_in_flight_and_the_server_goes_on(served, monkeypatch):
+    llm, server, offline, _ = served
+    engine, real_step = llm.engine, llm.engine.step
+    calls = []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the device fell over")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        r = client.post("/v1/completions", json=completion(PROMPTS[0], max_tokens=LONG))
+        assert "the device fell over" in error_of(r, 500)["message"]
+        assert not engine.has_unfinished_requests()
+        assert_all_blocks_free(engine)
+        # The loop is still serving: the next request completes as if nothing had happened.
+        r = client.post("/v1/completions", json=completion(PROMPTS[0]))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline[0]
+        assert "tinyserve:num_requests_running 0.0" in client.get("/metrics").text
+    assert len(calls) > 3
+
+
+# -- issue 12, item 6: a huge prompt never stalls the streams -------------------------------------
+
+def test_a_10_mb_prompt_is_refused_quickly_while_a_stream_runs_undisturbed(served):
+    llm, server, _, _ = served
+    limits = server.server.config.app.state.limits
+    huge = "word " * 2_000_000  # 10 MB: tokenizing it takes the tiny tokenizer about 15 s
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            started = asyncio.Event()
+            stream = asyncio.ensure_future(stream_text(client, completion(PROMPTS[0], max_tokens=LONG), started))
+            await asyncio.wait_for(started.wait(), 30)
+            t0 = time.monotonic()
+            r = await client.post("/v1/completions", json=completion(huge))
+            return r, time.monotonic() - t0, await asyncio.wait_for(stream, 60)
+
+    r, seconds, (text, reasons, _) = asyncio.run(main())
+    error = error_of(r, 413)
+    assert str(limits.max_body_bytes) in error["message"] and error["code"] == "request_too_large"
+    assert seconds < 5
+    assert text == llm.offline_long[0] and reasons == ["length"]
+
+
+def test_a_prompt_over_the_character_bound_is_refused_without_tokenizing(served, monkeypatch):
+    llm, server, _, _ = served
+    app = server.server.config.app
+    limits, tokenizer = app.state.limits, app.state.tokenizer
+    # The bound is safe: no token of the vocabulary covers more characters than chars_per_token.
+    assert limits.chars_per_token >= max(len(t) for t in tokenizer.get_vocab())
+    assert limits.max_prompt_chars == MAX_MODEL_LEN * limits.chars_per_token
+    calls = []
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: calls.append(1) or [])
+    too_long = "a" * (limits.max_prompt_chars + 1)
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        error = error_of(client.post("/v1/completions", json=completion(too_long)))
+        assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
+        assert str(limits.max_prompt_chars) in error["message"] and str(MAX_MODEL_LEN) in error["message"]
+        half = too_long[: len(too_long) // 2 + 1]  # two messages that are too long together
+        error = error_of(client.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "system", "content": half}, {"role": "user", "content": half}]}))
+        assert error["param"] == "messages" and str(limits.max_prompt_chars) in error["message"]
+    assert calls == []
+
+
+def test_prompts_are_tokenized_off_the_engine_thread(served, monkeypatch):
+    """The server's tokenizer is held up until a stream finishes: that can only happen if the
+    engine keeps stepping while a prompt is being tokenized."""
+    import threading
+
+    llm, server, _, _ = served
+    tokenizer = server.server.config.app.state.tokenizer
+    real_encode, stream_done, threads, steps_meanwhile = tokenizer.encode, threading.Event(), [], []
+
+    def slow_encode(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        if args and args[0] == PROMPTS[1]:
+            start = len(llm.engine.history)
+            stream_done.wait(30)
+            steps_meanwhile.append(len(llm.engine.history) - start)
+        return real_encode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            started = asyncio.Event()
+            stream = asyncio.ensure_future(stream_text(client, completion(PROMPTS[0], max_tokens=LONG), started))
+            await asyncio.wait_for(started.wait(), 30)
+            slow = asyncio.ensure_future(client.post("/v1/completions", json=completion(PROMPTS[1])))
+            result = await asyncio.wait_for(stream, 25)
+            stream_done.set()
+            return result, await slow
+
+    (text, _, _), r = asyncio.run(main())
+    assert text == llm.offline_long[0] and r.status_code == 200
+    assert steps_meanwhile[0] > 0  # the engine stepped while the prompt was being tokenized
+    assert threads and all(name.startswith("tinyserve-tokenize") for name in threads)
+
+
+# -- issue 12, item 7: malformed chat content, unknown paths and methods --------------------------
+
+@pytest.mark.parametrize("content,param", [
+    ([{"type": "text", "text": 5}], "messages.0.content.0.text"),
+    ([{"type": "text"}], "messages.0.content.0.text"),
+    ([{"type": "image_url", "image_url": {"url": "http://x/cat.png"}}], "messages.0.content.0.type"),
+    ([{"type": "text", "text": "What is this?"}, {"type": "input_audio", "input_audio": {}}],
+     "messages.0.content.1.type"),
+    ([{"text": "no type"}], "messages.0.content.0.type"),
+    ([5], "messages.0.content"),
+    (None, "messages.0.content"),
+])
+def test_malformed_or_unsupported_chat_content_gets_a_400(served, content, param):
+    _, server, _, _ = served
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 4,
+                                                       "messages": [{"role": "user", "content": content}]})
+    assert error_of(r)["param"] == param
+
+
+def test_text_content_parts_are_read_as_the_same_text(served):
+    _, server, _, chat = served
+    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"][:7]},
+                                              {"type": "text", "text": m["content"][7:]}]} for m in CHAT]
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": parts, "max_tokens": MAX_TOKENS,
+                                                       "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == chat
+
+
+def test_unknown_paths_and_wrong_methods_get_openai_error_bodies(served):
+    _, server, _, _ = served
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        assert error_of(client.get("/v1/nothing"), 404)["code"] == "not_found"
+        assert error_of(client.post("/v1/engines/tiny/completions", json={}), 404)["code"] == "not_found"
+        r = client.get("/v1/completions")
+        assert error_of(r, 405)["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
+        assert error_of(client.post("/health"), 405)["code"] == "method_not_allowed"
+
+
+# -- /metrics ------------------------------------------------------------------------------------
+
+def scrape(client: httpx.Client) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {s.name: s.value for f in text_string_to_metric_families(r.text) for s in f.samples}
+
+
+GAUGES = ["tinyserve:num_requests_running", "tinyserve:num_requests_waiting", "tinyserve:num_requests_swapped",
+          "tinyserve:gpu_cache_usage_perc", "tinyserve:cpu_cache_usage_perc"]
+
+
+def test_metrics_follow_the_engine_and_read_zero_when_idle(served):
+    llm, server, _, _ = served
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        wait_until_idle(llm.engine)
+        before = scrape(client)
+        assert {name: before[name] for name in GAUGES} == dict.fromkeys(GAUGES, 0.0)
+        with client.stream("POST", "/v1/completions", json=completion(PROMPTS[2], max_tokens=LONG, stream=True)) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            during = scrape(client)
+            assert "data: [DONE]" in list(lines)
+        assert during["tinyserve:num_requests_running"] == 1 and during["tinyserve:gpu_cache_usage_perc"] > 0
+        r = client.post("/v1/completions", json=completion(PROMPTS[0]))
+        wait_until_idle(llm.engine)
+        after = scrape(client)
+    assert {name: after[name] for name in GAUGES} == dict.fromkeys(GAUGES, 0.0)
+    generated = after["tinyserve:generation_tokens_total"] - before["tinyserve:generation_tokens_total"]
+    assert generated == LONG + r.json()["usage"]["completion_tokens"]
+    assert after["tinyserve:num_preemptions_total"] == before["tinyserve:num_preemptions_total"]  # a roomy cache
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+def test_swap_space_flag_reaches_the_engine(monkeypatch):
+    from tinyserve.serve import cli
+
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, model, **kwargs):
+            seen.update(kwargs)
+            self.engine = "engine"
+
+    monkeypatch.setattr(cli, "LLM", FakeLLM)
+    monkeypatch.setattr(cli, "create_app", lambda engine, name: ("app", engine))
+    monkeypatch.setattr(cli.uvicorn, "run", lambda app, **kw: seen.update(app=app))
+    cli.main(["--swap-space", "2.5"])
+    assert seen["swap_space"] == 2.5 and seen["app"] == ("app", "engine")
+    assert cli.parser().parse_args([]).swap_space == 1.0
+    for bad in ["-1", "nan", "inf", "lots"]:
+        with pytest.raises(SystemExit):
+            cli.parser().parse_args(["--swap-space", bad])
+
+
+# -- a request that can never fit ------------------------------------------------------------------
+
+def test_a_request_that_can_never_fit_is_refused_and_the_server_goes_on(tiny_loaded):
+    """Four samples of 100 tokens need 52 blocks of a 16-block cache: the scheduler gives up on
+    the request ("ignored", with its reason) instead of spinning, and the server says so."""
+    mc = ModelConfig(model=str(tiny_loaded.path), device="cpu", dtype="float32")
+    engine = LLMEngine(mc, CacheConfig(block_size=8, num_gpu_blocks=16, num_cpu_blocks=8),
+                       SchedulerConfig(max_num_seqs=8, max_model_len=MAX_MODEL_LEN),
+                       executor=Worker(mc, attention_backend="torch", loaded=tiny_loaded))
+    huge = completion(PROMPTS[0], n=4, max_tokens=100, temperature=1, seed=0)
+    with ServerThread(create_app(engine, model_name="tiny")) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as client:
+        error = error_of(client.post("/v1/completions", json=huge))
+        assert error["code"] == "request_cannot_fit" and "block" in error["message"]
+        # Streamed, it is refused before the stream starts, or ends with an error event.
+        with client.stream("POST", "/v1/completions", json={**huge, "stream": True}) as r:
+            r.read()
+        if r.status_code == 200:
+            events = sse_events(r.text.splitlines())
+            assert events[-1]["error"]["code"] == "request_cannot_fit"
+            assert {c["finish_reason"] for e in events[:-1] for c in e["choices"]} - {None} == {"ignored"}
+        else:
+            assert error_of(r)["code"] == "request_cannot_fit"
+        # The server goes on serving.
+        r = client.post("/v1/completions", json=completion(PROMPTS[0]))
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        wait_until_idle(engine)
+        metrics = scrape(client)
+    assert {name: metrics[name] for name in GAUGES} == dict.fromkeys(GAUGES, 0.0)
+    assert_all_blocks_free(engine)

@@ -263,7 +263,8 @@ def test_tracing_worker_records_copy_on_write(tiny_loaded):
     config = ModelConfig(model=str(tiny_loaded.path), device="cpu", dtype="float32")
     worker = ev.TracingWorker(config, loaded=tiny_loaded)
     engine = LLMEngine(config, CacheConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=4, watermark=0.0),
-                       SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64), executor=worker)
+                       SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64), executor=worker,
+                       record_history=True)
     engine.add_request("r", None, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=3),
                        prompt_token_ids=[11, 12, 13])
     while engine.has_unfinished_requests():

@@ -12,7 +12,7 @@ import argparse
 import time
 
 from tinyserve import presets
-from tinyserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from tinyserve.config import DTYPE_NAMES, CacheConfig, ModelConfig, SchedulerConfig
 from tinyserve.engine import LLMEngine, RequestOutput
 from tinyserve.sequence import SamplingParams
 from tinyserve.sim import RoundRecord
@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> tuple[LLMEngine, list[RequestOutput]]:
                                num_cpu_blocks=num_cpu_blocks, watermark=cc.watermark)
     model_config = ModelConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed)
     start = time.perf_counter()
-    engine = LLMEngine(model_config, cache_config, scheduler_config, attention_backend=args.attention_backend)
+    engine = LLMEngine(model_config, cache_config, scheduler_config, attention_backend=args.attention_backend,
+                       record_history=True)  # each round is printed from its record
     print(f"Loaded {args.model} on {engine.executor.device} ({engine.executor.dtype}) in "
           f"{time.perf_counter() - start:.1f} s; attention backend {engine.executor.backend_name}; "
           f"{cache_config.num_gpu_blocks} GPU blocks of {cache_config.block_size} tokens, "
@@ -98,7 +99,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=20)
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m or a local Hugging Face directory")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES))
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--seed", type=int, default=0)
     return p

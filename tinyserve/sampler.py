@@ -48,11 +48,15 @@ class Sampler:
         # as a whole, while seeded requests are reproducible one by one.
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[list[int]]:
-        """``logits``: [num_rows, vocab] float32. Returns, per row, its sampled token ids."""
+    def __call__(self, logits: torch.Tensor, requests: list[SampleRequest]) -> list[list[int] | Exception]:
+        """``logits``: [num_rows, vocab] float32. Returns, per row, its sampled token ids.
+
+        A row that cannot be sampled (its probabilities are NaN or inf, say) comes back as the
+        exception instead, so that only its own request fails; the other rows are unaffected.
+        """
         if len(requests) != logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(requests)} sample requests")
-        results: list[list[int] | None] = [None] * len(requests)
+        results: list[list[int] | Exception | None] = [None] * len(requests)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         if greedy:
             # An all-greedy batch (the common case) takes the argmax in place: gathering the
@@ -64,11 +68,19 @@ class Sampler:
         random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
         if random_rows:
             probs = self._probs(logits[random_rows], [requests[i].params for i in random_rows]).cpu()
+            finite = torch.isfinite(probs).all(dim=-1).tolist()
             for row, i in enumerate(random_rows):
-                gen = requests[i].generator or self.generator
-                drawn = torch.multinomial(probs[row], requests[i].num_samples, replacement=True, generator=gen)
-                results[i] = drawn.tolist()
+                results[i] = self._draw(probs[row], requests[i]) if finite[row] else ValueError(
+                    "the next-token probabilities are not finite (NaN or inf in the logits)")
         return results  # type: ignore[return-value]
+
+    def _draw(self, probs: torch.Tensor, request: SampleRequest) -> list[int] | Exception:
+        try:
+            drawn = torch.multinomial(probs, request.num_samples, replacement=True,
+                                      generator=request.generator or self.generator)
+        except RuntimeError as e:  # torch's own check of the distribution
+            return e
+        return drawn.tolist()
 
     @staticmethod
     def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -77,7 +89,7 @@ class Sampler:
         logits = logits / temps.unsqueeze(1)
         vocab = logits.shape[-1]
         if any(p.top_k != -1 or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k if p.top_k != -1 else vocab for p in params], device=device)
+            top_k = torch.tensor([min(p.top_k, vocab) if p.top_k != -1 else vocab for p in params], device=device)
             top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
             logits = apply_top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1)

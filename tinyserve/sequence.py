@@ -8,52 +8,21 @@ when ``n > 1``). Each ``Sequence`` keeps its tokens and cuts them into *logical*
 from __future__ import annotations
 
 import enum
+import numbers
+import reprlib
 from dataclasses import dataclass, field
 
+from tinyserve.sampling_params import SamplingParams
 
-@dataclass
-class SamplingParams:
-    """How to pick each next token and when to stop. ``temperature=0`` means greedy."""
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k != -1):
-            raise ValueError(f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self.stop = list(self.stop or [])
-        if self.stop_token_ids is not None and not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
-        ):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.n > 1 and self.temperature == 0:
-            raise ValueError("n > 1 needs temperature > 0: greedy samples would all be identical")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+def check_token_ids(name: str, ids, vocab_size: int) -> list[int]:
+    """``ids`` as a list of ints, or a ValueError naming ``name`` if it is not a list of token ids."""
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                     for t in ids):
+        raise ValueError(f"{name} must be a list of integer token ids, got {reprlib.repr(ids)}")
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"{name} must be in [0, {vocab_size}), the model's vocabulary")
+    return [int(t) for t in ids]
 
 
 class SequenceStatus(enum.Enum):
@@ -106,6 +75,10 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_text = ""
+        # Incremental detokenization (see detokenizer.py): output tokens before read_offset are
+        # in output_text; those from prefix_offset to read_offset are decoded again as context.
+        self.prefix_offset = 0
+        self.read_offset = 0
         self.status = SequenceStatus.WAITING
         self.finish_message: str | None = None
         # Tokens whose K/V is already in the cache. A prefill (or a prefill chunk, or a cached
@@ -161,6 +134,7 @@ class Sequence:
         for t in self.output_token_ids:
             child.append_token_id(t)
         child.output_text = self.output_text
+        child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
         return child

@@ -10,8 +10,10 @@ The server is three small pieces:
 - ``protocol``: OpenAI's request bodies, its error body, and its streaming chunk format
   (server-sent events ending with ``data: [DONE]``).
 - ``app.create_app``: the FastAPI app with ``/v1/completions``, ``/v1/chat/completions`` (the
-  model's chat template), ``/v1/models`` and ``/health``. A client that disconnects has its
-  request aborted, which frees its blocks; invalid requests get a 400 with OpenAI's error body.
+  model's chat template), ``/v1/models``, ``/health`` and ``/metrics``. A client that disconnects
+  has its request aborted, which frees its blocks; invalid requests get a 400 with OpenAI's error
+  body. Prompts are tokenized on a thread of their own, never the engine's.
+- ``metrics``: the engine's queues, cache usage and counters for Prometheus, under vLLM's names.
 
 ``cli`` is the command line; ``app.ServerThread`` runs the app in a background thread for tests
 and notebooks.

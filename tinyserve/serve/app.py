@@ -1,33 +1,47 @@
 """The FastAPI app: OpenAI's endpoints over one engine loop.
 
-A handler checks the request (400 for anything wrong, before the engine sees it), tokenizes
-the prompt (or renders the chat template) on the engine's thread, adds the request to the loop
-and waits for its first output. Errors before the first token are HTTP errors; after it, a
-streamed answer is sent as server-sent events. While it waits, a handler watches its
-connection: a client that goes away has its request aborted.
+A handler reads the body (refusing one that is too large before reading it all), checks the
+request (400 for anything wrong, before the engine sees it), tokenizes the prompt (or renders
+the chat template) with the server's own tokenizer on a thread of its own, so a long prompt
+never holds up the engine, adds the request to the loop and waits for its first output.
+Errors before the first token are HTTP errors; after it, a streamed answer is sent as
+server-sent events. While it waits, a handler watches its connection: a client that goes away
+has its request aborted. Every error, unknown paths included, has OpenAI's JSON error body.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import logging
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from tinyserve.engine import LLMEngine, RequestOutput
 from tinyserve.sequence import SamplingParams
 from tinyserve.serve.loop import EngineLoop
+from tinyserve.serve.metrics import EngineStats, make_registry
 from tinyserve.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    RequestLimits,
     SamplingFields,
+    chat_messages,
+    check_ranges,
+    field_named,
+    output_error,
     parse_body,
     reject_unsupported,
     stream_events,
@@ -35,40 +49,76 @@ from tinyserve.serve.protocol import (
     usage,
 )
 
+log = logging.getLogger("tinyserve.serve")
 
-def create_app(engine: LLMEngine, model_name: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``; its lifespan starts and stops the engine loop."""
+
+def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes: int | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``; its lifespan starts and stops the engine loop.
+
+    ``max_body_bytes`` defaults to what the longest prompt that could fit needs (``RequestLimits``)."""
     name = model_name or Path(str(engine.model_config.model)).name
     max_model_len = engine.scheduler_config.max_model_len
-    state: dict[str, EngineLoop] = {}
+    vocab_size = engine.executor.loaded.hf_config.vocab_size
+    # The server's own tokenizer, used on one thread of its own: the engine thread decodes with
+    # the engine's, and a fast tokenizer shared across threads can fail ("Already borrowed").
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    limits = RequestLimits.for_tokenizer(tokenizer, max_model_len, max_body_bytes)
+    state: dict = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state["tokenize"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-tokenize")
         state["loop"] = EngineLoop(engine)
         state["loop"].start()
         yield
         await state.pop("loop").stop()
+        state.pop("tokenize").shutdown(wait=True)
 
     app = FastAPI(title="tinyserve", lifespan=lifespan)
-    app.state.engine = engine
+    app.state.engine, app.state.tokenizer, app.state.limits = engine, tokenizer, limits
+    registry = make_registry(lambda: state["loop"].stats if "loop" in state else EngineStats())
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        # Unknown paths (404) and wrong methods (405) answer in OpenAI's format too.
+        message = {404: f"Unknown path {request.url.path}.",
+                   405: f"Method {request.method} is not allowed for {request.url.path}."}.get(exc.status_code,
+                                                                                           str(exc.detail))
+        return APIError(message, status=exc.status_code, code={404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code)).response(headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return APIError(str(exc)).response()
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error in %s %s", request.method, request.url.path)
+        return APIError(f"internal server error: {type(exc).__name__}", status=500, type_="server_error").response()
+
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tinyserve",
                                             "max_model_len": max_model_len}]}
 
-    def check_model(body: SamplingFields) -> None:
+    def check_request(body: SamplingFields) -> None:
         if body.model not in (None, name):
             raise APIError(f"The model `{body.model}` does not exist; this server serves `{name}`.",
                            param="model", status=404, code="model_not_found")
+        reject_unsupported(body)
+        check_ranges(body, vocab_size, engine.scheduler_config.max_num_seqs)
 
     def check_length(num_prompt: int, max_tokens: int | None, prompt_param: str) -> int:
         limit = engine.scheduler_config.prompt_limit
@@ -87,50 +137,53 @@ def create_app(engine: LLMEngine, model_name: str | None = None) -> FastAPI:
         return max_tokens
 
     def validate_ids(ids: list[int]) -> list[int]:
-        vocab = engine.executor.loaded.hf_config.vocab_size
         if not ids:
             raise APIError("the prompt is empty", param="prompt")
-        if any(not 0 <= t < vocab for t in ids):
-            raise APIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise APIError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
         return ids
+
+    async def off_the_engine(fn, *args):
+        """Tokenizing takes time in proportion to the text: never on the engine's thread."""
+        return await asyncio.get_running_loop().run_in_executor(state["tokenize"], fn, *args)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await parse_body(request, CompletionRequest)
-        check_model(body)
-        reject_unsupported(body)
+        body = await parse_body(request, CompletionRequest, limits.max_body_bytes)
+        check_request(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise APIError("only one prompt per request is supported", param="prompt")
             prompt = prompt[0]
-        loop = state["loop"]
-        ids = validate_ids(list(prompt) if isinstance(prompt, list) else
-                           await loop.run_locked(engine.tokenizer.encode, prompt))
-        params = to_sampling_params(body, check_length(len(ids), body.max_tokens, "prompt"))
-        return await _respond(request, loop, f"cmpl-{uuid.uuid4().hex}", ids, params, body, chat=False, name=name)
+        if isinstance(prompt, str):
+            limits.check_prompt_chars(len(prompt), "prompt")
+            ids = await off_the_engine(tokenizer.encode, prompt)
+        else:
+            ids = list(prompt)
+        max_tokens = check_length(len(ids), body.max_tokens, "prompt")
+        params = to_sampling_params(body, max_tokens)
+        return await _respond(request, state["loop"], f"cmpl-{uuid.uuid4().hex}", validate_ids(ids), params, body,
+                              chat=False, name=name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await parse_body(request, ChatCompletionRequest)
-        check_model(body)
-        reject_unsupported(body)
-        if not getattr(engine.tokenizer, "chat_template", None):
+        body = await parse_body(request, ChatCompletionRequest, limits.max_body_bytes)
+        check_request(body)
+        if not getattr(tokenizer, "chat_template", None):
             raise APIError(f"the model `{name}` has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-                     "".join(p.get("text", "") for p in m.content or [] if p.get("type") == "text")}
-                    for m in body.messages]
-        loop = state["loop"]
+        messages = chat_messages(body.messages)
+        limits.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
 
         def render() -> list[int]:
-            text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return engine.tokenizer.encode(text, add_special_tokens=False)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tokenizer.encode(text, add_special_tokens=False)
 
-        ids = validate_ids(await loop.run_locked(render))
+        ids = await off_the_engine(render)
         max_tokens = check_length(len(ids), body.max_completion_tokens or body.max_tokens, "messages")
         params = to_sampling_params(body, max_tokens)
-        return await _respond(request, loop, f"chatcmpl-{uuid.uuid4().hex}", ids, params, body, chat=True,
-                              name=name)
+        return await _respond(request, state["loop"], f"chatcmpl-{uuid.uuid4().hex}", validate_ids(ids), params,
+                              body, chat=True, name=name)
 
     return app
 
@@ -162,13 +215,13 @@ async def _respond(request: Request, loop: EngineLoop, request_id: str, ids: lis
     try:
         queue = await loop.add(request_id, ids, params)
     except ValueError as e:  # the engine's own checks on the request
-        raise APIError(str(e), param="prompt") from None
+        raise APIError(str(e), param=field_named(str(e)) or "prompt") from None
     created = int(time.time())
     out = await _next(request, loop, request_id, queue)  # wait for the first one, so errors are HTTP errors
     if out is None:
         return JSONResponse({}, status_code=499)  # nobody is listening
-    if out.finished and out.error:  # the scheduler ignored it (it can never fit)
-        raise APIError(out.error, param="prompt")
+    if out.finished and out.error:  # ignored (it can never fit), or the engine failed on it
+        raise output_error(out)
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         events = stream_events(loop, request_id, queue, out, params, created, chat, name, include_usage)
@@ -177,6 +230,8 @@ async def _respond(request: Request, loop: EngineLoop, request_id: str, ids: lis
         out = await _next(request, loop, request_id, queue)
         if out is None:
             return JSONResponse({}, status_code=499)
+    if out.error:
+        raise output_error(out)
     choices = [({"index": c.index, "message": {"role": "assistant", "content": c.text}} if chat else
                 {"index": c.index, "text": c.text, "logprobs": None}) | {"finish_reason": c.finish_reason}
                for c in out.outputs]

@@ -5,15 +5,24 @@ the loop's lock) and read their own queue. The loop steps the engine in a single
 so the event loop stays free to accept connections while the model runs, and routes each
 ``RequestOutput`` to the queue of its request. Aborts are only noted by the handler and carried
 out by the loop before its next step, so the engine is never touched by two threads at once.
+
+A step that fails because of one request finishes that request with an error (the engine says
+which); a step that fails for no known request fails the requests in flight, and the loop goes
+on serving the ones that come later. After everything it does with the engine, the loop takes a
+snapshot of the engine's queues and blocks for ``/metrics``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from tinyserve.engine import LLMEngine
+from tinyserve.engine import LLMEngine, RequestOutput
 from tinyserve.sequence import SamplingParams
+from tinyserve.serve.metrics import EngineStats, snapshot
+
+log = logging.getLogger("tinyserve.serve")
 
 
 class EngineLoop:
@@ -22,11 +31,12 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.lock = asyncio.Lock()  # held while the engine steps or a request is added
+        self.stats: EngineStats = snapshot(engine)  # the latest, for /metrics
         self._queues: dict[str, asyncio.Queue] = {}
         self._to_abort: set[str] = set()
         self._wake = asyncio.Event()
         self._stopping = False
-        # One thread: steps never overlap, and the tokenizer is never used from two threads.
+        # One thread: steps never overlap. (The server tokenizes elsewhere, with its own tokenizer.)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-engine")
         self._task: asyncio.Task | None = None
 
@@ -34,19 +44,31 @@ class EngineLoop:
         self._task = asyncio.create_task(self._run())
 
     async def run_locked(self, fn, *args):
-        """Run ``fn`` on the engine thread between two steps (tokenizing, adding a request)."""
+        """Run ``fn`` on the engine thread between two steps."""
         async with self.lock:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            try:
+                return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            finally:
+                self.stats = snapshot(self.engine)
 
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
         """Add a request to the engine; its outputs will arrive on the returned queue."""
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        adding = asyncio.ensure_future(self._add(request_id, prompt_token_ids, params))
         try:
-            await self.run_locked(self.engine.add_request, request_id, None, params, prompt_token_ids)
-        except BaseException:
-            self._queues.pop(request_id, None)
+            # Shielded: a cancelled handler must not leave the lock while the engine thread adds.
+            return await asyncio.shield(adding)
+        except asyncio.CancelledError:
+            # Nobody will read the request's outputs: abort it once it is in.
+            adding.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(request_id))
             raise
+
+    async def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        async with self.lock:  # the queue is registered under the lock too, so no step sees one without the other
+            await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.engine.add_request, request_id, None, params, prompt_token_ids)
+            self._queues[request_id] = queue
+            self.stats = snapshot(self.engine)
         self._wake.set()
         return queue
 
@@ -60,21 +82,19 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         while not self._stopping:
             self._wake.clear()
+            outputs: list[RequestOutput] | None = None
             async with self.lock:
-                if self._to_abort:
-                    self.engine.abort_request(sorted(self._to_abort))
-                    self._to_abort.clear()
-                if not self.engine.has_unfinished_requests():
-                    outputs = None
-                else:
-                    try:
+                try:
+                    if self._to_abort:
+                        self.engine.abort_request(sorted(self._to_abort))
+                        self._to_abort.clear()
+                    if self.engine.has_unfinished_requests():
                         outputs = await loop.run_in_executor(self._executor, self.engine.step)
-                    except Exception as e:  # a failed step fails every request in flight
-                        self.engine.abort_request(list(self._queues))
-                        for queue in self._queues.values():
-                            queue.put_nowait(e)
-                        self._queues.clear()
-                        continue
+                except Exception as e:  # no one request to blame: fail those in flight, serve the next
+                    log.exception("an engine step failed; failing the %d requests in flight", len(self._queues))
+                    self._fail_in_flight(e)
+                    outputs = []
+                self.stats = snapshot(self.engine)
             if outputs is None:
                 await self._wake.wait()
                 continue
@@ -86,6 +106,19 @@ class EngineLoop:
                         del self._queues[out.request_id]
             await asyncio.sleep(0)  # let handlers read their outputs and new requests take the lock
 
+    def _fail_in_flight(self, error: Exception) -> None:
+        """Abort every request the engine holds and hand ``error`` to each one's handler."""
+        sched = self.engine.scheduler
+        in_engine = [g.request_id for q in (sched.waiting, sched.running, sched.swapped) for g in q]
+        try:
+            self.engine.abort_request(in_engine + sorted(self._to_abort))
+        except Exception:
+            log.exception("aborting the failed requests failed too")
+        self._to_abort.clear()
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()
+
     async def stop(self) -> None:
         """Finish the current step, then abort whatever is left (freeing its blocks)."""
         self._stopping = True
@@ -96,4 +129,5 @@ class EngineLoop:
         for queue in self._queues.values():  # nobody waits forever on a stopped loop
             queue.put_nowait(RuntimeError("the server is shutting down"))
         self._queues.clear()
+        self.stats = snapshot(self.engine)
         self._executor.shutdown(wait=True)

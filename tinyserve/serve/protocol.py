@@ -1,9 +1,11 @@
-"""OpenAI's wire format: request bodies, the error body, and the streamed chunks.
+"""OpenAI's wire format: request bodies and their limits, the error body, and the streamed chunks.
 
 Request bodies are pydantic models with OpenAI's field names. Unknown fields are refused, so a
-typo is an error rather than a silently ignored setting. ``stream_events`` turns a request's
-outputs into server-sent events: a chunk per new piece of text, each choice's finish_reason,
-optionally the usage, then ``data: [DONE]``.
+typo is an error rather than a silently ignored setting, and every field has a range: a value
+outside it is a 400 naming the field before the engine ever sees the request (one bad request
+must never reach a step that all the others share). ``stream_events`` turns a request's outputs
+into server-sent events: a chunk per new piece of text, each choice's finish_reason, optionally
+the usage, then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -11,44 +13,68 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from tinyserve.engine import RequestOutput
 from tinyserve.sequence import SamplingParams
 from tinyserve.serve.loop import EngineLoop
 
+# Dividing logits by a temperature this small overflows float32 to inf, and the softmax to NaN.
+TEMPERATURE_FLOOR = 1e-5
+MAX_SEED = 2**63 - 1  # torch generators take a signed 64-bit seed
+MAX_INT32 = 2**31 - 1
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
+
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+StopTokenIds = Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)]
+
 
 class SamplingFields(BaseModel):
     """The fields both endpoints share: the model's name and how to sample."""
 
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan: Python's json module reads NaN and Infinity, which no range check catches.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: StopList | None = None  # one string is read as a list of one
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = Field(False, strict=True)  # lax parsing would take "no" for True
     stream_options: dict | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict | None = None
     user: str | None = None
-    top_k: int = -1  # extensions, as vLLM offers them
+    top_k: int = Field(-1, ge=-1)  # extensions, as vLLM offers them; the vocabulary bounds top_k
     ignore_eos: bool = Field(False, strict=True)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: StopTokenIds | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value):
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_floor(cls, value: float) -> float:
+        if 0 < value < TEMPERATURE_FLOOR:
+            raise ValueError(f"must be 0 (greedy) or at least {TEMPERATURE_FLOOR:g}, got {value!r}")
+        return value
 
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -64,8 +90,8 @@ class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: messages, rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
 
 
@@ -77,9 +103,41 @@ class APIError(Exception):
         super().__init__(message)
         self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
 
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request may weigh before anything expensive (tokenizing) is done with it.
+
+    No token covers more characters than the longest entry of the vocabulary, so a prompt of
+    more than ``max_model_len`` times that many characters can never fit: it is refused without
+    being tokenized. The body limit follows: JSON spends at most 12 bytes on one character (an
+    escaped surrogate pair), plus room for everything around the prompt.
+    """
+
+    max_model_len: int
+    chars_per_token: int
+    max_prompt_chars: int
+    max_body_bytes: int
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, max_model_len: int, max_body_bytes: int | None = None) -> RequestLimits:
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=0)
+        per_token = max(16, longest)  # generous: real text averages about 4 characters a token
+        chars = max_model_len * per_token
+        return cls(max_model_len, per_token, chars, max_body_bytes or 12 * chars + 2**20)
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise APIError(f"The prompt has {num_chars} characters, more than this server accepts "
+                           f"({self.max_prompt_chars} characters: max_model_len={self.max_model_len} tokens of at "
+                           f"most {self.chars_per_token} characters each), so it could never fit. "
+                           "Shorten the prompt.", param=param, code="context_length_exceeded")
 
 
 def reject_unsupported(body: SamplingFields) -> None:
@@ -93,20 +151,100 @@ def reject_unsupported(body: SamplingFields) -> None:
             raise APIError(f"{name} is not supported by tinyserve", param=name)
 
 
+def check_ranges(body: SamplingFields, vocab_size: int, max_num_seqs: int) -> None:
+    """The ranges that depend on each other or on the served engine (pydantic checks the rest)."""
+    if body.n > max_num_seqs:
+        raise APIError(f"n={body.n} is more than this server runs at once (max_num_seqs={max_num_seqs})", param="n")
+    if body.seed is not None and body.seed + body.n - 1 > MAX_SEED:
+        # Sample i of a request draws from seed + i: every one of them must be a valid seed.
+        raise APIError(f"seed must be in [0, {MAX_SEED - body.n + 1}] with n={body.n} (sample i uses seed + i, "
+                       f"and seeds end at 2**63-1), got {body.seed}", param="seed")
+    if body.top_k != -1 and not 1 <= body.top_k <= vocab_size:
+        raise APIError(f"top_k must be -1 (every token) or in [1, {vocab_size}] (the vocabulary), got {body.top_k}",
+                       param="top_k")
+    if any(not 0 <= t < vocab_size for t in body.stop_token_ids or []):
+        raise APIError(f"stop_token_ids must be token ids in [0, {vocab_size})", param="stop_token_ids")
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template takes them, with text content only.
+
+    A content part that is not text (an image, audio) cannot be read by a text-only model; it is
+    refused rather than dropped, so the answer never silently ignores part of the question."""
+    rendered = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if content is None:
+            if m.role != "assistant":
+                raise APIError(f"a {m.role} message needs content", param=f"messages.{i}.content")
+            content = ""
+        elif isinstance(content, list):
+            pieces = []
+            for j, part in enumerate(content):
+                where = f"messages.{i}.content.{j}"
+                kind = part.get("type")
+                if kind != "text":
+                    raise APIError(f"content parts of type {kind!r} are not supported: tinyserve serves a text-only "
+                                   "model, so only {'type': 'text', 'text': ...} parts are accepted",
+                                   param=f"{where}.type")
+                if not isinstance(part.get("text"), str):
+                    raise APIError("a text content part needs a string `text`", param=f"{where}.text")
+                if set(part) - {"type", "text"}:
+                    raise APIError(f"unknown fields in a text content part: {sorted(set(part) - {'type', 'text'})}",
+                                   param=where)
+                pieces.append(part["text"])
+            content = "".join(pieces)
+        rendered.append({"role": m.role, "content": content})
+    return rendered
+
+
 def to_sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
     """The engine's SamplingParams for a request; its ValueErrors become 400s naming the field."""
     try:
         return SamplingParams(n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               max_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
                               ignore_eos=body.ignore_eos, seed=body.seed)
-    except ValueError as e:  # SamplingParams names the field first
-        raise APIError(str(e), param=str(e).split()[0]) from None
+    except ValueError as e:
+        raise APIError(str(e), param=field_named(str(e))) from None
 
 
-async def parse_body(request: Request, model: type[SamplingFields]) -> SamplingFields:
+def field_named(message: str) -> str | None:
+    """The SamplingParams field an error message is about (it names the field, usually first)."""
+    fields = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "stop", "ignore_eos", "seed")
+    words = [w.strip("`'\":,.=()") for w in message.replace("=", " ").split()]
+    return next((w for w in words if w in fields), None)
+
+
+MAX_DRAIN_BYTES = 64 * 2**20
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body; one over ``max_bytes`` is a 413.
+
+    Nothing past the limit is kept, but it is read to the end (up to ``MAX_DRAIN_BYTES``): a
+    server that answers before the client has sent its body closes a connection with unread
+    data, and the client sees a reset instead of the 413."""
+    too_large = APIError(f"The request body is larger than this server accepts ({max_bytes} bytes).",
+                         status=413, code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes + MAX_DRAIN_BYTES:
+        raise too_large  # not worth reading at all
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes + MAX_DRAIN_BYTES:
+            break
+        if size <= max_bytes:
+            chunks.append(chunk)
+    if size > max_bytes:
+        raise too_large
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, model: type[SamplingFields], max_bytes: int) -> SamplingFields:
     """The request's JSON body as ``model``; anything wrong with it is a 400 naming the field."""
     try:
-        data = json.loads(await request.body())
+        data = json.loads(await read_body(request, max_bytes))
     except ValueError as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
@@ -115,8 +253,15 @@ async def parse_body(request: Request, model: type[SamplingFields]) -> SamplingF
         return model.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise APIError(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+        param = ".".join(str(p) for p in err["loc"] if not _is_union_branch(p)) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise APIError(f"{param}: {msg}" if param else msg, param=param) from None
+
+
+def _is_union_branch(part: str | int) -> bool:
+    """Pydantic names the member of a union that failed ("str", "list[int]") in an error's
+    location; the client wants the field's path."""
+    return isinstance(part, str) and ("[" in part or "-" in part or part in {"str", "int", "float", "bool", "dict"})
 
 
 def usage(out: RequestOutput) -> dict:
@@ -124,6 +269,17 @@ def usage(out: RequestOutput) -> dict:
     completion = sum(len(c.token_ids) for c in out.outputs)
     return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion,
             "total_tokens": len(out.prompt_token_ids) + completion}
+
+
+def output_error(out: RequestOutput) -> APIError:
+    """The HTTP error for a request the engine finished with an error.
+
+    An ignored request asked for more than the server can ever give it (a 400, with the
+    scheduler's reason). Otherwise the engine failed while running it (a 500)."""
+    if any(c.finish_reason == "ignored" for c in out.outputs):
+        return APIError(out.error or "the request can never fit in this server's KV cache",
+                        code="request_cannot_fit")
+    return APIError(f"the engine failed on this request: {out.error}", status=500, type_="server_error")
 
 
 def safe_text(text: str, finished: bool, holdback: int) -> str:
@@ -141,7 +297,8 @@ async def stream_events(loop: EngineLoop, request_id: str, queue: asyncio.Queue,
                         include_usage: bool = False) -> AsyncIterator[str]:
     """The server-sent events of one streamed request: a chunk per new piece of text of each
     choice (chat streams open with the role), one that carries each choice's finish_reason,
-    optionally the usage, then ``data: [DONE]``."""
+    optionally the usage, then ``data: [DONE]``. A request the engine fails or gives up on
+    midway ends with an error event (OpenAI's error body) before ``[DONE]``."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     holdback = max((len(s) for s in params.stop), default=1) - 1
     sent: dict[int, str] = {}
@@ -173,11 +330,13 @@ async def stream_events(loop: EngineLoop, request_id: str, queue: asyncio.Queue,
                     piece = {"delta": {"content": delta}} if chat else {"text": delta, "logprobs": None}
                     yield event([{"index": c.index, **piece, "finish_reason": c.finish_reason}])
             if out.finished:
+                if out.error:
+                    yield f"data: {json.dumps(output_error(out).body())}\n\n"
                 break
             out = await queue.get()
             if isinstance(out, Exception):  # the engine loop already aborted the request
-                err = {"message": f"the engine failed: {out}", "type": "server_error", "param": None, "code": None}
-                yield f"data: {json.dumps({'error': err})}\n\n"
+                err = APIError(f"the engine failed: {out}", status=500, type_="server_error")
+                yield f"data: {json.dumps(err.body())}\n\n"
                 break
         finished = True
         if include_usage and isinstance(out, RequestOutput):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,10 +37,18 @@ def _load_all() -> None:
 
 
 def figures_dir() -> Path:
-    """The repository's ``figures/``, or ``$TINYSERVE_FIGURES_DIR`` (tests point it elsewhere so
-    executing a chapter never rewrites committed files)."""
+    """Where chapters save their figures: ``$TINYSERVE_FIGURES_DIR`` when it is set (``make book``
+    points it at the repository's ``figures/``), else a scratch folder in the temp directory.
+
+    Reading a chapter must never rewrite committed files, so only the make targets write
+    ``figures/``; a reader's run leaves the clone clean."""
     env = os.environ.get("TINYSERVE_FIGURES_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "figures"
+    return Path(env) if env else Path(tempfile.gettempdir()) / "tinyserve-figures"
+
+
+def repo_figures_dir() -> Path:
+    """The repository's committed ``figures/`` (what ``make figures`` writes)."""
+    return Path(__file__).resolve().parents[2] / "figures"
 
 
 def save(fig, name: str, out_dir: str | Path | None = None) -> Path:
@@ -72,4 +81,4 @@ if __name__ == "__main__":
     # ``tinyserve.viz.figures``: call that module's main so its registry is the one filled.
     from tinyserve.viz.figures import main as _main
 
-    _main(sys.argv[1] if len(sys.argv) > 1 else None)
+    _main(sys.argv[1] if len(sys.argv) > 1 else str(repo_figures_dir()))

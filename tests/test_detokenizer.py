@@ -1,0 +1,133 @@
+"""Incremental detokenization against the tokenizer's own full decode, and stop strings.
+
+The reference is ``tokenizer.decode`` of all the output ids at once. Fed one token at a time,
+the detokenizer's pieces must concatenate to that text whenever it ends on a complete
+character, never contain a U+FFFD for a character that is merely incomplete, and never be
+taken back.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import make_tiny_tokenizer
+
+from tinyserve.detokenizer import REPLACEMENT_CHAR, detokenize_incrementally, find_stop_string
+from tinyserve.sequence import Sequence
+
+MULTILINGUAL = ["日本の首都は東京です。富士山は美しい。", "I ❤️ paging 🚀🔥 and KV caches 👩‍💻!",
+                "naïve café — déjà vu, 你好世界, Привет"]
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer():
+    from transformers import AutoTokenizer
+
+    from tinyserve.models.loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m")), local_files_only=True)
+
+
+def stream(tokenizer, ids: list[int]) -> list[str]:
+    """Feed ``ids`` one at a time, as the engine does; return the piece each step emitted."""
+    seq = Sequence(0, None, [1], block_size=16)
+    pieces = []
+    for t in ids:
+        seq.append_token_id(t)
+        pieces.append(detokenize_incrementally(tokenizer, seq))
+    assert seq.output_text == "".join(pieces)
+    return pieces
+
+
+def check_against_full_decode(tokenizer, ids: list[int]) -> None:
+    pieces = stream(tokenizer, ids)
+    text = "".join(pieces)
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    if not full.endswith(REPLACEMENT_CHAR):
+        assert text == full
+    else:  # the last character is incomplete (or the bytes are not UTF-8): it is held back
+        assert full.startswith(text)
+    # Nothing emitted is ever taken back: each prefix of the stream is a prefix of every later
+    # full decode, in particular of the decode of the whole.
+    for k in range(1, len(ids) + 1):
+        so_far = "".join(pieces[:k])
+        assert full.startswith(so_far), (k, so_far, full)
+
+
+def test_random_token_sequences_match_a_full_decode(tiny_tokenizer):
+    rng = random.Random(0)
+    vocab = len(tiny_tokenizer)
+    for _ in range(200):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        check_against_full_decode(tiny_tokenizer, ids)
+
+
+@pytest.mark.parametrize("text", MULTILINGUAL)
+def test_multibyte_characters_split_over_byte_tokens(tiny_tokenizer, text):
+    # The tiny tokenizer was trained on English only: every non-ASCII character is split into
+    # byte tokens, so most steps end in the middle of a character.
+    ids = tiny_tokenizer.encode(text)
+    assert len(ids) > len(text) / 2
+    pieces = stream(tiny_tokenizer, ids)
+    assert "".join(pieces) == text == tiny_tokenizer.decode(ids)
+    assert not any(REPLACEMENT_CHAR in p for p in pieces)
+    # Cut off after every token: what was emitted is the text up to the last complete character.
+    for k in range(1, len(ids) + 1):
+        emitted = "".join(stream(tiny_tokenizer, ids[:k]))
+        assert text.startswith(emitted) and REPLACEMENT_CHAR not in emitted
+
+
+@pytest.mark.parametrize("text", MULTILINGUAL)
+def test_the_default_models_tokenizer_on_japanese_and_emoji(default_tokenizer, text):
+    ids = default_tokenizer.encode(text, add_special_tokens=False)
+    pieces = stream(default_tokenizer, ids)
+    assert "".join(pieces) == text
+    assert not any(REPLACEMENT_CHAR in p for p in pieces)
+    for k in range(1, len(ids) + 1):  # a completion cut off mid-character ends without U+FFFD
+        emitted = "".join(stream(default_tokenizer, ids[:k]))
+        assert text.startswith(emitted) and REPLACEMENT_CHAR not in emitted
+
+
+def test_the_default_models_tokenizer_on_random_sequences(default_tokenizer):
+    rng = random.Random(1)
+    for _ in range(50):
+        check_against_full_decode(default_tokenizer, [rng.randrange(len(default_tokenizer)) for _ in range(30)])
+
+
+def test_each_step_decodes_a_short_window_not_the_whole_output(tiny_tokenizer):
+    calls = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=False):
+            calls.append(len(ids))
+            return tiny_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = tiny_tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)
+    assert "".join(stream(Counting(), ids)) == tiny_tokenizer.decode(ids)
+    assert max(calls) <= 4  # a window of a few tokens, however long the output grows
+
+
+# -- stop strings -------------------------------------------------------------------------------
+
+def test_the_earliest_stop_string_in_the_text_wins_whatever_the_list_order():
+    text = " Paris.\n\nThe"  # "\nT" and "he" complete in the same step
+    assert find_stop_string(text, 3, ["he", "\nT"]) == text.index("\nT")
+    assert find_stop_string(text, 3, ["\nT", "he"]) == text.index("\nT")
+    assert find_stop_string(text, 3, ["zz"]) == -1
+
+
+def test_only_the_new_text_and_an_overlap_are_searched():
+    text = "abc stop here, and stop again"
+    new = len(" again")
+    # "stop" ends before the last len("stop") - 1 + new characters: it was seen in an earlier step.
+    assert find_stop_string(text, new, ["stop"]) == -1
+    # A stop string that straddles the old text and the new one is found.
+    assert find_stop_string(text, new, ["p again"]) == text.index("p again")
+    assert find_stop_string(text, new, ["stop a"]) == text.index("stop a")
+    assert find_stop_string(text, 0, ["again"]) == -1  # nothing new, nothing to find

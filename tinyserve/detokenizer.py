@@ -1,0 +1,53 @@
+"""From sampled tokens to text, a step at a time, and where a stop string cuts it.
+
+Decoding a sequence's whole output every step costs time quadratic in its length, and text
+decoded from a token that ends in the middle of a character (a Japanese character or an emoji
+is 3-4 UTF-8 bytes, often split over several byte-level tokens) ends in U+FFFD, the
+replacement character. ``detokenize_incrementally`` decodes only a short window of tokens and
+holds back text until its last character is complete, so the pieces it returns never need to
+be taken back: appended together they are the sequence's text.
+"""
+
+from __future__ import annotations
+
+from tinyserve.sequence import Sequence
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
+
+
+def detokenize_incrementally(tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> str:
+    """Append the text of ``seq``'s new output tokens to ``seq.output_text``; return that new text.
+
+    Two offsets into the output tokens carry the state (as in vLLM's ``detokenize_incrementally``):
+    tokens before ``read_offset`` have been turned into text, and the few from ``prefix_offset``
+    on are decoded again as context, because some tokenizers decode a token differently at the
+    start of a text (SentencePiece drops its leading space). The new text is the decode of
+    ``[prefix_offset:]`` minus the decode of ``[prefix_offset:read_offset]``. If it ends in
+    U+FFFD, a character is still incomplete: nothing is emitted and the offsets stay, so the
+    next token is decoded together with the bytes it completes.
+    """
+    ids = seq.output_token_ids
+    prefix_text = (tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip_special_tokens)
+                   if seq.read_offset > seq.prefix_offset else "")
+    text = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
+    if len(text) <= len(prefix_text) or text.endswith(REPLACEMENT_CHAR):
+        return ""
+    new_text = text[len(prefix_text):]
+    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    seq.output_text += new_text
+    return new_text
+
+
+def find_stop_string(text: str, num_new_chars: int, stop: list[str]) -> int:
+    """Where the earliest stop string in ``text`` begins, or -1 if there is none.
+
+    Only the last ``num_new_chars`` characters are new; a stop string that is there must end in
+    them, so the search starts ``len(longest stop) - 1`` characters before them and not at 0.
+    Several stop strings may complete in one step: the one that starts first wins, whatever
+    the order of the list, because the text after it was never meant to be produced.
+    """
+    if not stop or num_new_chars <= 0:
+        return -1
+    start = max(0, len(text) - num_new_chars - (max(map(len, stop)) - 1))
+    found = [i for i in (text.find(s, start) for s in stop) if i != -1]
+    return min(found, default=-1)

@@ -1,0 +1,96 @@
+"""SamplingParams: how a request picks its next tokens and when it stops (vLLM's names).
+
+Every field is range-checked on construction, so a bad value is a ValueError that names the
+field, raised where the request is made, and never a failure inside a running step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Bounds that keep every value representable where it goes: token counts and top_k fit int32
+# tensors, seeds fit torch's int64 generator seed (children of ``n > 1`` use seed + i), and a
+# temperature below MIN_TEMPERATURE would overflow ``logits / temperature`` to inf.
+MAX_INT32 = 2**31 - 1
+MAX_SEED = 2**63 - 1
+MAX_N = 1024
+MIN_TEMPERATURE = 1e-5
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite_number(value) -> bool:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _check_int(name: str, value, low: int, high: int, extra: str = "") -> None:
+    if not _is_int(value) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}]{extra}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop. ``temperature=0`` means greedy.
+
+    Every field is checked on construction (``verify``), so a bad value is a ValueError that
+    names the field, raised where the request is made, never a failure inside a running step.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Check every field's type and range (the engine calls it again when a request arrives,
+        in case a field was changed after construction)."""
+        _check_int("n", self.n, 1, MAX_N)
+        if not _is_finite_number(self.temperature) or (self.temperature != 0 and self.temperature < MIN_TEMPERATURE):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                             f"got {self.temperature!r}")
+        if not _is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.top_k != -1:
+            _check_int("top_k", self.top_k, 1, MAX_INT32, extra=" or -1 (disabled)")
+        _check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and (not isinstance(self.stop, (list, tuple))
+                                      or not all(isinstance(s, str) and s for s in self.stop)):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = list(self.stop or [])
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, (list, tuple))
+            or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids)
+        ):
+            raise ValueError(f"stop_token_ids must be a list of integers in [0, {MAX_INT32}], "
+                             f"got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.seed is not None:
+            # Sample i of a request draws from a generator seeded with seed + i.
+            _check_int("seed", self.seed, 0, MAX_SEED - (self.n - 1),
+                       extra=f" (seed + n - 1 must not exceed {MAX_SEED})" if self.n > 1 else "")
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError("n > 1 needs temperature > 0: greedy samples would all be identical")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
