@@ -54,7 +54,7 @@ def run(backend: str, device: str, dtype: str, mode: str) -> tuple[LLMEngine, di
     preset = presets.seed_rounds(mode)
     mc = ModelConfig(model="random", device=device, dtype=dtype)
     engine = LLMEngine(mc, preset.cache_config, preset.scheduler_config,
-                       executor=Worker(mc, attention_backend=backend, loaded=loaded))
+                       executor=Worker(mc, attention_backend=backend, loaded=loaded), record_history=True)
     params = SamplingParams(temperature=0.0, max_tokens=preset.max_tokens, ignore_eos=True)
     for rid, prompt in preset.prompts.items():
         engine.add_request(rid, prompt, params)

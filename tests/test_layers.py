@@ -13,16 +13,17 @@ PKG = Path(__file__).resolve().parents[1] / "tinyserve"
 
 LAYERS = [
     ["config"],
-    ["sequence"],
+    ["sequence", "sampling_params"],
     ["block", "block_manager", "prefix_cache"],
-    ["scheduler", "sim", "presets"],
+    ["scheduler", "sim", "presets", "recording"],
     ["cache_engine"],
     ["attention"],
     ["models"],
-    ["model_runner", "sampler", "worker"],
-    ["engine", "__main__"],
+    ["model_runner", "sampler", "worker", "detokenizer"],
+    ["outputs", "engine", "__main__"],
     ["parallel"],
     ["serve"],
+    ["lab"],  # matplotlib-free models and measurements that viz draws
     ["viz", "exercises"],
 ]
 # LLM(tensor_parallel_size>1) starts the parallel executor, which is built on the engine's parts.

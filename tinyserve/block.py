@@ -40,19 +40,29 @@ class PhysicalTokenBlock:
 
 
 class BlockAllocator:
-    """Hands out the blocks of one device's pool from a free list and tracks ref counts."""
+    """Hands out the blocks of one device's pool from a free list and tracks ref counts.
 
-    def __init__(self, device: Device, block_size: int, num_blocks: int) -> None:
+    ``order`` says which free block goes out next. ``"fifo"`` (tinyserve's default): the one
+    that has been free longest, so recently used memory is reused last; it makes block tables
+    in the book easier to follow, and costs nothing. ``"lifo"``: the one freed last, the stack
+    of vLLM v0.4's ``UncachedBlockAllocator`` (which also starts from the highest number).
+    """
+
+    ORDERS = ("fifo", "lifo")
+
+    def __init__(self, device: Device, block_size: int, num_blocks: int, order: str = "fifo") -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if order not in self.ORDERS:
+            raise ValueError(f"order must be one of {self.ORDERS}, got {order!r}")
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.order = order
         self.blocks = [PhysicalTokenBlock(device, i, block_size) for i in range(num_blocks)]
-        # FIFO: a freed block goes to the back, so recently used memory is reused last
-        # (it makes block tables in the book easier to follow, and costs nothing).
+        # A freed block always goes to the back; allocate takes from the front (FIFO) or back (LIFO).
         self.free_blocks: deque[PhysicalTokenBlock] = deque(self.blocks)
 
     def allocate(self) -> PhysicalTokenBlock:
@@ -61,7 +71,7 @@ class BlockAllocator:
                 f"out of {self.device.name} blocks: all {self.num_blocks} blocks of {self.block_size} "
                 "tokens are in use"
             )
-        block = self.free_blocks.popleft()
+        block = self.free_blocks.pop() if self.order == "lifo" else self.free_blocks.popleft()
         block.ref_count = 1
         return block
 

@@ -28,6 +28,8 @@ class AllocStatus(enum.Enum):
 class BlockSpaceManager:
     """Maps each sequence's logical blocks to physical blocks on the GPU or in CPU swap space."""
 
+    free_list_order = "fifo"  # which free block the allocators hand out next (see BlockAllocator)
+
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
         if not 0.0 <= watermark < 1.0:
@@ -41,9 +43,11 @@ class BlockSpaceManager:
         # in the very next decode round.
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
-        allocator = CachedBlockAllocator if enable_prefix_caching else BlockAllocator
-        self.gpu_allocator = allocator(Device.GPU, block_size, num_gpu_blocks)
-        self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks)
+        if enable_prefix_caching:
+            self.gpu_allocator: BlockAllocator = CachedBlockAllocator(Device.GPU, block_size, num_gpu_blocks)
+        else:
+            self.gpu_allocator = BlockAllocator(Device.GPU, block_size, num_gpu_blocks, order=self.free_list_order)
+        self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks, order=self.free_list_order)
         self.block_tables: dict[int, BlockTable] = {}
 
     # -- admission -------------------------------------------------------------------------
@@ -71,8 +75,20 @@ class BlockSpaceManager:
         return AllocStatus.LATER
 
     def allocate(self, seq_group: SequenceGroup) -> None:
-        """Give the group's prompt its blocks; all waiting sequences share them."""
+        """Give the group's prompt its blocks; all waiting sequences share them.
+
+        Sharing is only right while the waiting sequences hold the same tokens, that is before
+        any of them has sampled. Several sequences that have generated tokens (a multi-sample
+        group preempted by recompute) would write different K/V into the same slots, so they
+        are refused: the scheduler swaps such groups instead.
+        """
         waiting = seq_group.get_seqs(SequenceStatus.WAITING)
+        if len(waiting) > 1 and any(s.get_output_len() > 0 for s in waiting):
+            raise ValueError(
+                f"request {seq_group.request_id!r}: {len(waiting)} waiting sequences have already generated "
+                "tokens and cannot share one block table; a group with several sequences must be swapped, "
+                "not recomputed"
+            )
         hashes = prefix_hashes(waiting[0].get_token_ids(), self.block_size) if self.enable_prefix_caching else []
         table: BlockTable = []
         for i in range(waiting[0].n_blocks):
@@ -84,6 +100,27 @@ class BlockSpaceManager:
             table.append(block)
         for seq in waiting:
             self.block_tables[seq.seq_id] = list(table)
+
+    def worst_case_num_blocks(self, prompt_len: int, num_seqs: int, max_len: int) -> int:
+        """The most GPU blocks a group of ``num_seqs`` samples of one prompt can ask for at once,
+        when each sample may grow to ``max_len`` tokens.
+
+        A sample of ``len`` tokens (its newest one still without K/V) holds the blocks of
+        ``len - 1`` tokens, and before it decodes, or comes back from swap space, the scheduler
+        asks for up to one more block per sample (``can_append_slot``, ``can_swap_in``); a sample
+        of ``max_len`` tokens has finished and asks for nothing. Right after the prefill the
+        samples still share every prompt block; from their second decode on, each owns the
+        blocks after the prompt's full ones. A group over this bound could be swapped out and
+        never fit back in, even on an empty GPU.
+        """
+        prompt_blocks = -(-prompt_len // self.block_size)
+        if max_len - 1 <= prompt_len:  # the prefill samples the last token: no decode ever runs
+            return prompt_blocks
+        if max_len - 1 == prompt_len + 1:  # a single decode, while every block is still shared
+            return prompt_blocks + num_seqs
+        shared = prompt_len // self.block_size
+        held = -(-(max_len - 2) // self.block_size)  # blocks of the longest sample that still decodes
+        return shared + num_seqs * (held - shared + 1)
 
     # -- growth ----------------------------------------------------------------------------
 
@@ -232,3 +269,33 @@ class BlockSpaceManager:
 
     def get_num_free_cpu_blocks(self) -> int:
         return self.cpu_allocator.get_num_free_blocks()
+
+
+class V04BlockSpaceManager(BlockSpaceManager):
+    """The BlockSpaceManager with vLLM v0.4.0's rules (``vllm/core/block_manager_v1.py``), for
+    ``SchedulerConfig(compat="vllm-0.4")``. Three methods and the free-list order differ; the
+    bookkeeping (allocate, append_slot, fork, swap, free) is the same.
+    """
+
+    # UncachedBlockAllocator keeps its free blocks in a list and pops from the end: a stack.
+    free_list_order = "lifo"
+
+    def _reserve(self) -> int:
+        # The watermark always holds, even on an empty GPU (can_allocate and can_swap_in).
+        return self.watermark_blocks
+
+    def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
+        # No lower floor for a sequence preempted by recompute: one that has grown into the
+        # watermark is NEVER, and the scheduler drops it as v0.4 does.
+        seq = seq_group.get_seqs(SequenceStatus.WAITING)[0]
+        required = self._num_blocks_to_allocate(seq)
+        if self.num_total_gpu_blocks - required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.gpu_allocator.get_num_free_blocks() - required >= self._reserve():
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def can_append_slot(self, seq_group: SequenceGroup) -> bool:
+        # v0.4's "simple heuristic": one free block for every running sequence, whether or not
+        # its next token needs one.
+        return seq_group.num_seqs(SequenceStatus.RUNNING) <= self.gpu_allocator.get_num_free_blocks()

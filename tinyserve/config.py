@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 POLICIES = ("vllm", "orca")
 PREEMPTION_MODES = ("swap", "recompute", None)
+COMPAT_MODES = ("tinyserve", "vllm-0.4")
 
 
 def _check_positive(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -52,6 +53,8 @@ class SchedulerConfig:
     ``policy="vllm"`` never mixes prefill and decode in a round; ``"orca"`` does.
     ``preemption_mode=None`` follows vLLM's rule: recompute a group with one sequence, swap a
     group with several (their shared blocks would be expensive to rebuild).
+    ``compat="vllm-0.4"`` makes the scheduler and block manager follow vLLM v0.4.0's runtime
+    rules instead of tinyserve's (see the ``tinyserve.scheduler`` docstring for the list).
     """
 
     max_num_batched_tokens: int | None = None
@@ -60,6 +63,7 @@ class SchedulerConfig:
     policy: str = "vllm"
     preemption_mode: str | None = None
     enable_chunked_prefill: bool = False
+    compat: str = "tinyserve"
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -79,6 +83,12 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_num_seqs "
                 f"({self.max_num_seqs}): a decode round of max_num_seqs sequences would not fit the budget"
             )
+        if self.compat not in COMPAT_MODES:
+            raise ValueError(f"compat must be one of {COMPAT_MODES}, got {self.compat!r}")
+        if self.compat == "vllm-0.4" and (self.policy != "vllm" or self.enable_chunked_prefill):
+            raise ValueError(f"compat='vllm-0.4' follows vLLM v0.4.0, which has neither the orca policy nor "
+                             f"chunked prefill; got policy={self.policy!r}, "
+                             f"enable_chunked_prefill={self.enable_chunked_prefill!r}")
 
     @property
     def prompt_limit(self) -> int:
@@ -89,21 +99,70 @@ class SchedulerConfig:
         return min(self.max_model_len, self.max_num_batched_tokens)
 
 
+# vLLM's spellings of a dtype, by the name tinyserve keeps ("auto": by device, see resolve_dtype).
+DTYPE_NAMES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+               "float": "float32", "float32": "float32"}
+
+
+def dtype_name(dtype) -> str:
+    """The one name of ``dtype`` ("auto", "float32", "float16" or "bfloat16"), given a torch
+    dtype, one of vLLM's strings, or None (= "auto")."""
+    if dtype is None:
+        return "auto"
+    # A torch.dtype prints as "torch.float16"; config stays importable without torch.
+    key = str(dtype).removeprefix("torch.") if type(dtype).__module__ == "torch" else dtype
+    if isinstance(key, str) and key in DTYPE_NAMES:
+        return DTYPE_NAMES[key]
+    raise ValueError(f"dtype must be a torch dtype (float32, float16, bfloat16) or one of "
+                     f"{sorted(DTYPE_NAMES)}, got {dtype!r}")
+
+
+def resolve_device(device: str):
+    """The torch.device for a device setting ("auto": CUDA when torch sees one)."""
+    import torch
+
+    device = str(device)
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but torch sees no CUDA device; use device='cpu' or 'auto'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype, device):
+    """The torch dtype to run in: ``dtype`` itself, or for "auto" float32 on the CPU and bfloat16
+    on CUDA (float16 where the GPU lacks bfloat16)."""
+    import torch
+
+    name = dtype_name(dtype)
+    if name == "auto":
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    return getattr(torch, name)
+
+
 @dataclass
 class ModelConfig:
-    """Which model to run, where, and in what precision."""
+    """Which model to run, where, and in what precision.
+
+    ``dtype`` takes a torch dtype or vLLM's strings and is kept by one name (``dtype_name``);
+    ``max_model_len=None`` means the model's own limit (``max_position_embeddings``).
+    """
 
     model: str = "smollm2-135m"
     device: str = "auto"
-    dtype: str | None = None  # None: float32 on the CPU, bfloat16 on CUDA (float16 if no bf16)
+    dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.dtype not in (None, "float32", "float16", "bfloat16", "auto"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        self.dtype = dtype_name(self.dtype)
+        _check_positive("max_model_len", self.max_model_len, allow_none=True)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
 @dataclass

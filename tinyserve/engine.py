@@ -1,62 +1,38 @@
 """The engine: the Scheduler and the Worker(s), stepped together.
 
 ``LLMEngine.step`` is one iteration of the serving loop: the scheduler picks the round, the
-worker runs it, the sampler picks next tokens, and finished sequences give their blocks back.
+worker runs it, the sampler picks next tokens, the detokenizer turns them into text, and
+finished sequences give their blocks back. Whoever wants to watch (the book's recorder, a
+metrics exporter) registers a callback that hears what each step did (``add_callback``).
 ``LLM`` wraps the engine for offline batch generation, with vLLM's ``generate`` signature.
 """
 
 from __future__ import annotations
 
 import itertools
+import reprlib
 import time
-from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
 from tinyserve.cache_engine import CacheEngine
 from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tinyserve.detokenizer import detokenize_incrementally, find_stop_string
 from tinyserve.models.loader import resolve_model_dir
+from tinyserve.outputs import CompletionOutput, RequestOutput, StepCallback, StepEvent, StepTimes
 from tinyserve.sampler import Sampler, SampleRequest
+from tinyserve.sampling_params import SamplingParams
 from tinyserve.scheduler import Scheduler
-from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
-from tinyserve.sim import RoundRecord, make_record, seq_key
+from tinyserve.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus, check_token_ids
 from tinyserve.worker import Worker
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | "ignored" | None while running
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    error: str | None = None  # why an ignored request was not run
-
-
-@dataclass
-class StepTimes:
-    """Where one step's time went (seconds), for the performance chapter."""
-
-    schedule: float = 0.0
-    model: float = 0.0
-    sample: float = 0.0
-    process: float = 0.0
-    history: list[tuple[float, float, float, float]] = field(default_factory=list)
 
 
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                  parallel_config: ParallelConfig | None = None, attention_backend: str = "auto",
-                 gpu_memory_utilization: float = 0.9, swap_space_gib: float = 1.0, executor=None) -> None:
+                 gpu_memory_utilization: float = 0.9, swap_space_gib: float = 1.0, executor=None,
+                 record_history: bool = False) -> None:
         self.model_config = model_config
         parallel_config = parallel_config or ParallelConfig()
         if executor is None:
@@ -86,29 +62,57 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, cache_config)
         self.sampler = Sampler(model_config.seed)
         self.eos_token_id = self.tokenizer.eos_token_id
-        self.history: list[RoundRecord] = []
+        self.vocab_size = hf.vocab_size
         self.times = StepTimes()
+        # Running totals (constant memory) for the server's /metrics.
+        self.num_preemptions_total = 0
+        self.num_generation_tokens_total = 0
+        self._callbacks: list[StepCallback] = []
         self._groups: dict[str, SequenceGroup] = {}
         self._generators: dict[int, torch.Generator] = {}
         self._seq_ids = itertools.count()
+        self.recorder = None
+        if record_history:
+            from tinyserve.recording import HistoryRecorder  # the book's records; a server never loads them
+
+            self.recorder = HistoryRecorder()
+            self.times.history = self.recorder.step_times  # the same list: engine.times.history keeps working
+            self.add_callback(self.recorder)
+
+    # -- observers -------------------------------------------------------------------------
+
+    def add_callback(self, callback: StepCallback) -> None:
+        """Call ``callback(engine, event)`` after every step, with a StepEvent of what it did."""
+        self._callbacks.append(callback)
+
+    def remove_callback(self, callback: StepCallback) -> None:
+        self._callbacks.remove(callback)
+
+    @property
+    def history(self) -> list:
+        """One ``sim.RoundRecord`` per step, kept only by an engine built with record_history=True."""
+        if self.recorder is None:
+            raise RuntimeError("engine.history is kept only when the engine is built with record_history=True "
+                               "(or attach a recording.HistoryRecorder with add_callback)")
+        return self.recorder.records
 
     # -- requests --------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | None, sampling_params: SamplingParams,
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> None:
         if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        sampling_params.verify()  # again: a field may have been changed since construction
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
-                raise TypeError(f"request {request_id!r}: prompt must be a string, got {type(prompt).__name__}")
+                raise ValueError(f"request {request_id!r}: prompt must be a string, got {type(prompt).__name__}")
             prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = check_token_ids("prompt_token_ids", prompt_token_ids, self.vocab_size)
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty (no tokens)")
-        vocab = self.executor.loaded.hf_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"request {request_id!r}: prompt token ids must be in [0, {vocab})")
+        check_token_ids("stop_token_ids", sampling_params.stop_token_ids, self.vocab_size)
         seq = Sequence(next(self._seq_ids), prompt, prompt_token_ids, self.cache_config.block_size)
         if sampling_params.seed is not None:
             self._generators[seq.seq_id] = torch.Generator().manual_seed(sampling_params.seed)
@@ -120,10 +124,13 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self.scheduler.abort_seq_group(ids)
         for rid in ids:
-            group = self._groups.pop(rid, None)
-            if group is not None:
-                for seq in group.get_seqs():
-                    self._generators.pop(seq.seq_id, None)
+            self._release(rid)
+
+    def _release(self, request_id: str) -> None:
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            for seq in group.get_seqs():
+                self._generators.pop(seq.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()
@@ -149,35 +156,48 @@ class LLMEngine:
         rows = [(meta, seq) for meta in metas if meta.do_sample for seq in meta.seq_data.values()]
         samples = self.sampler(logits, [self._sample_request(m, s) for m, s in rows]) if rows else []
         t3 = time.perf_counter()
-        produced: dict[str, str] = {}
+        produced: list[tuple[SequenceGroup, Sequence, int]] = []
         for (meta, seq), tokens in zip(rows, samples):
             group = self._groups[meta.request_id]
-            children = [self._fork(group, seq, token) for token in tokens[1:]]
-            seq.append_token_id(tokens[0])
-            self._check_stop(group, seq)
-            for s, token in zip([seq, *children], tokens):
-                produced[seq_key(group, s)] = self.tokenizer.decode([token])
+            if seq.is_finished():
+                continue  # its request failed on an earlier row of this step
+            if isinstance(tokens, Exception):
+                self._fail(group, f"sampling failed: {tokens}")
+            else:
+                produced += self._take_samples(group, seq, tokens)
         finished = [m.request_id for m in metas if self._groups[m.request_id].is_finished()]
         self.scheduler.free_finished_seq_groups()
         outputs = [self._output(self._groups[m.request_id]) for m in metas]
         outputs += [self._output(g) for g in out.ignored_seq_groups]
         for rid in finished + [g.request_id for g in out.ignored_seq_groups]:
-            group = self._groups.pop(rid)
-            for seq in group.get_seqs():
-                self._generators.pop(seq.seq_id, None)
-        self.history.append(make_record(len(self.history) + 1, self.scheduler, out, finished, produced))
-        t4 = time.perf_counter()
-        self.times.schedule += t1 - t0
-        self.times.model += t2 - t1
-        self.times.sample += t3 - t2
-        self.times.process += t4 - t3
-        self.times.history.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
+            self._release(rid)
+        times = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+        self.times.add(times)
+        self.num_preemptions_total += len(out.preempted)
+        self.num_generation_tokens_total += len(produced)
+        if self._callbacks:
+            event = StepEvent(out, finished, produced, outputs, times)
+            for callback in list(self._callbacks):
+                callback(self, event)
         return outputs
 
     def _sample_request(self, meta: SequenceGroupMetadata, seq: Sequence) -> SampleRequest:
         params = meta.sampling_params
         first = meta.is_prompt and seq.get_output_len() == 0 and len(meta.seq_data) == 1
         return SampleRequest(params, num_samples=params.n if first else 1, generator=self._generators.get(seq.seq_id))
+
+    def _take_samples(self, group: SequenceGroup, seq: Sequence,
+                      tokens: list[int]) -> list[tuple[SequenceGroup, Sequence, int]]:
+        """``seq`` takes the first token; each other one (n > 1 at a prompt) goes to a new fork."""
+        seqs = [self._fork(group, seq, token) for token in tokens[1:]]  # forks copy seq before its token
+        seq.append_token_id(tokens[0])
+        seqs.insert(0, seq)
+        try:
+            for s in seqs:
+                self._check_stop(group, s)
+        except Exception as e:  # the tokenizer failed on this request's tokens: fail it alone
+            self._fail(group, f"detokenization failed: {e!r}")
+        return [(group, s, t) for s, t in zip(seqs, tokens)]
 
     def _fork(self, group: SequenceGroup, parent: Sequence, token: int) -> Sequence:
         """Parallel sampling: a child shares the parent's blocks (copy-on-write) and takes its own token."""
@@ -188,27 +208,31 @@ class LLMEngine:
         if seed is not None:
             self._generators[child.seq_id] = torch.Generator().manual_seed(seed + len(group.get_seqs()) - 1)
         child.append_token_id(token)
-        self._check_stop(group, child)
         return child
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
         params = group.sampling_params
         last = seq.get_last_token_id()
-        seq.output_text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        status = None
-        for stop in params.stop:
-            cut = seq.output_text.find(stop)
-            if cut != -1:
-                seq.output_text = seq.output_text[:cut]
-                status = SequenceStatus.FINISHED_STOPPED
-                break
-        if status is None:
-            if (not params.ignore_eos and last == self.eos_token_id) or last in params.stop_token_ids:
-                status = SequenceStatus.FINISHED_STOPPED
-            elif seq.get_output_len() >= params.max_tokens or seq.get_len() >= self.scheduler_config.max_model_len:
-                status = SequenceStatus.FINISHED_LENGTH_CAPPED
-        if status is not None:
-            seq.status = status
+        new_text = detokenize_incrementally(self.tokenizer, seq)
+        cut = find_stop_string(seq.output_text, len(new_text), params.stop)
+        if cut != -1:
+            seq.output_text = seq.output_text[:cut]
+            status = SequenceStatus.FINISHED_STOPPED
+        elif (not params.ignore_eos and last == self.eos_token_id) or last in params.stop_token_ids:
+            status = SequenceStatus.FINISHED_STOPPED
+        elif seq.get_output_len() >= params.max_tokens or seq.get_len() >= self.scheduler_config.max_model_len:
+            status = SequenceStatus.FINISHED_LENGTH_CAPPED
+        else:
+            return
+        seq.status = status
+        self.scheduler.free_seq(seq)
+
+    def _fail(self, group: SequenceGroup, message: str) -> None:
+        """Finish a request whose own step failed, as aborted with the reason; the others go on."""
+        group.error = f"request {group.request_id!r}: {message}"
+        for seq in group.get_unfinished_seqs():
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            seq.finish_message = message
             self.scheduler.free_seq(seq)
 
     @staticmethod
@@ -219,36 +243,39 @@ class LLMEngine:
                              group.is_finished(), group.error)
 
 
+def _list_of(items, kind) -> bool:
+    """True for None, or a list (or tuple) whose items are all ``kind``."""
+    return items is None or (isinstance(items, (list, tuple)) and all(isinstance(i, kind) for i in items))
+
+
 class LLM:
     """Offline generation with the engine, as ``vllm.LLM`` offers it."""
 
-    def __init__(self, model: str = "smollm2-135m", *, device: str = "auto", dtype: str | None = None,
+    def __init__(self, model: str = "smollm2-135m", *, device: str = "auto", dtype: str | torch.dtype = "auto",
                  block_size: int = 16, num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
                  watermark: float = 0.01, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, policy: str = "vllm", preemption_mode: str | None = None,
                  attention_backend: str = "auto", tensor_parallel_size: int = 1, seed: int = 0,
                  enable_prefix_caching: bool = False, enable_chunked_prefill: bool = False,
-                 gpu_memory_utilization: float = 0.9, swap_space: float = 1.0) -> None:
+                 gpu_memory_utilization: float = 0.9, swap_space: float = 1.0, record_history: bool = False,
+                 compat: str = "tinyserve") -> None:
+        from transformers import AutoConfig
+
         model_config = ModelConfig(model=model, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len)
-        parallel_config = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
         cache_config = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                                    num_cpu_blocks=num_cpu_blocks, watermark=watermark,
                                    enable_prefix_caching=enable_prefix_caching)
-        executor = None
-        if tensor_parallel_size == 1:
-            executor = Worker(model_config, attention_backend=attention_backend)
-            limit = executor.loaded.hf_config.max_position_embeddings
-        else:
-            from transformers import AutoConfig
-
-            limit = AutoConfig.from_pretrained(resolve_model_dir(model)).max_position_embeddings
+        if max_model_len is None:  # the model's own limit, read from its config without loading weights
+            hf_config = AutoConfig.from_pretrained(str(resolve_model_dir(model)), local_files_only=True)
+            max_model_len = hf_config.max_position_embeddings
         scheduler_config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                           max_model_len=max_model_len or limit, policy=policy,
+                                           max_model_len=max_model_len, policy=policy,
                                            preemption_mode=preemption_mode,
-                                           enable_chunked_prefill=enable_chunked_prefill)
-        self.engine = LLMEngine(model_config, cache_config, scheduler_config, parallel_config,
+                                           enable_chunked_prefill=enable_chunked_prefill, compat=compat)
+        self.engine = LLMEngine(model_config, cache_config, scheduler_config,
+                                ParallelConfig(tensor_parallel_size=tensor_parallel_size),
                                 attention_backend=attention_backend, gpu_memory_utilization=gpu_memory_utilization,
-                                swap_space_gib=swap_space, executor=executor)
+                                swap_space_gib=swap_space, record_history=record_history)
         self._counter = itertools.count()
 
     @property
@@ -259,10 +286,14 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in the prompts' order."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
+        prompts = [prompts] if isinstance(prompts, str) else prompts
         if prompts is None and prompt_token_ids is None:
             raise ValueError("generate needs prompts or prompt_token_ids")
+        if not _list_of(prompts, str):
+            raise ValueError(f"prompts must be a string or a list of strings, got {reprlib.repr(prompts)}")
+        if not _list_of(prompt_token_ids, (list, tuple)):
+            raise ValueError("prompt_token_ids must be a list with one list of token ids per prompt "
+                             f"(for one prompt: [ids]), got {reprlib.repr(prompt_token_ids)}")
         n = len(prompts) if prompts is not None else len(prompt_token_ids)
         if n == 0:
             raise ValueError("generate got an empty list of prompts")

@@ -27,7 +27,8 @@ class Preset:
     max_tokens: int
 
 
-def seed_rounds(preemption_mode: str | None = "swap", policy: str = "vllm", max_tokens: int = 8) -> Preset:
+def seed_rounds(preemption_mode: str | None = "swap", policy: str = "vllm", max_tokens: int = 8,
+                compat: str = "tinyserve") -> Preset:
     """The s0/s1/s2 walkthrough.
 
     Why these numbers: a budget of 10 tokens per round fits s0 and s1 (5 + 5) but not s2 as
@@ -35,10 +36,14 @@ def seed_rounds(preemption_mode: str | None = "swap", policy: str = "vllm", max_
     first decode needs a second one. With 4 GPU blocks, after three prefills one block is free:
     s0 takes it in round 3, s1 then needs one too, and the newest running request, s2, is
     preempted to make room. ``max_model_len=20`` is what the 4 blocks of 5 tokens can hold.
+
+    The story's rounds need ``preemption_mode="swap"``. ``compat="vllm-0.4"`` runs the same
+    workload under vLLM v0.4.0's rules; v0.4 itself would refuse this configuration (a budget
+    below ``max_model_len``, a block size of 5: see the ``tinyserve.scheduler`` docstring).
     """
     return Preset(
         scheduler_config=SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=4, max_model_len=20,
-                                         policy=policy, preemption_mode=preemption_mode),
+                                         policy=policy, preemption_mode=preemption_mode, compat=compat),
         cache_config=CacheConfig(block_size=5, num_gpu_blocks=4, num_cpu_blocks=4, watermark=0.0),
         requests=[Request(rid, SEED_PROMPT_LENS[rid], max_tokens) for rid in SEED_PROMPTS],
         prompts=dict(SEED_PROMPTS),

@@ -480,7 +480,7 @@ def seed_engine(loaded, preemption_mode: str = "swap", max_tokens: int = 8,
     model_config = ModelConfig(model=str(loaded.path), device=weight.device.type,
                                dtype=str(weight.dtype).removeprefix("torch."))
     engine = LLMEngine(model_config, preset.cache_config, preset.scheduler_config,
-                       executor=TracingWorker(model_config, loaded=loaded))
+                       executor=TracingWorker(model_config, loaded=loaded), record_history=True)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for rid, prompt in preset.prompts.items():
         engine.add_request(rid, prompt, params, (prompt_token_ids or {}).get(rid))

@@ -178,14 +178,19 @@ class TinyserveSystem:
         import tinyserve.worker as worker
 
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in w.output_lens]
-        engine = self.llm.engine
-        first_step, first_round = len(engine.times.history), len(engine.history)
+        from tinyserve.recording import HistoryRecorder
+
+        recorder = HistoryRecorder()  # this run's steps only, whether or not the engine keeps a history
+        self.llm.engine.add_callback(recorder)
         prepare: list[float] = []
-        with _timing(worker, "prepare_inputs", prepare):
-            start = time.perf_counter()
-            outs = self.llm.generate(prompt_token_ids=w.prompts, sampling_params=params, use_tqdm=False)
-            seconds = time.perf_counter() - start
-        self.last_steps = _split_steps(engine.times.history[first_step:], engine.history[first_round:], prepare)
+        try:
+            with _timing(worker, "prepare_inputs", prepare):
+                start = time.perf_counter()
+                outs = self.llm.generate(prompt_token_ids=w.prompts, sampling_params=params, use_tqdm=False)
+                seconds = time.perf_counter() - start
+        finally:
+            self.llm.engine.remove_callback(recorder)
+        self.last_steps = _split_steps(recorder.step_times, recorder.records, prepare)
         return RunResult(self.name, seconds, [list(o.outputs[0].token_ids) for o in outs])
 
 
