@@ -7,7 +7,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 # the cores (a notebook kernel beside pytest, a second job); sleeping costs almost nothing.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: venv test lint demo book figures lab bench gpu-check clean
+.PHONY: venv test lint demo book figures lab bench gpu-check browser-test screenshot clean
 
 venv: $(STAMP)
 
@@ -32,7 +32,7 @@ demo: $(STAMP)
 	$(PY) -m tinyserve
 
 book: $(STAMP)
-	$(PY) scripts/run_book.py chapters/*.ipynb
+	TINYSERVE_FIGURES_DIR=$(CURDIR)/figures $(PY) scripts/run_book.py chapters/*.ipynb
 
 figures: $(STAMP)
 	$(PY) -m tinyserve.viz.figures figures
@@ -47,6 +47,18 @@ bench: $(STAMP)
 
 gpu-check: $(STAMP)
 	bash scripts/gpu_check.sh
+
+# The book as a reader uses it: JupyterLab in headless Chromium (Debian's chromium and
+# chromium-driver; .ci/run installs them) runs every chapter that has a widget and works each
+# widget. Works on copies in a temp dir; screenshots go to TINYSERVE_SCREENSHOTS (a folder), else a temp dir.
+browser-test: $(STAMP)
+	$(VENV)/bin/ruff check browser_tests
+	$(PY) -m pytest -q -s -p no:cacheprovider --timeout=3600 browser_tests
+
+# Refresh the README's widget screenshot from a browser run of chapter 05 (the only target that writes it).
+screenshot: $(STAMP)
+	TINYSERVE_README_SCREENSHOT=$(CURDIR)/docs/widget_whatif.png \
+		$(PY) -m pytest -q -s -p no:cacheprovider --timeout=3600 browser_tests -k 05_
 
 clean:
 	rm -rf $(VENV)

@@ -1,8 +1,9 @@
-"""GPU benchmark: the Triton paged decode kernel against the PyTorch reference and the memory floor.
+"""GPU benchmark: the Triton paged decode kernel against batched PyTorch and the memory floor.
 
 Decoding one token reads every cached K/V row of every sequence once, and does little arithmetic
 per byte, so its floor is the time to stream those bytes from GPU memory. For each shape this
-script times the Triton kernel and ``reference.paged_decode_attention`` with CUDA events (the
+script times the Triton kernel and ``batched.paged_decode_attention`` (the ``torch-batched``
+backend's decode, what the engine runs without Triton; "ref" below) with CUDA events (the
 median over repetitions after warm-up), and reports the kernel's achieved bandwidth
 
     K/V bytes = sum over sequences of context_len * num_kv_heads * head_dim * 2 (K and V) * itemsize
@@ -39,8 +40,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from a checkout without installing
     sys.path.insert(0, str(REPO))
 
-from tinyserve.attention import reference  # noqa: E402
+from tinyserve.attention import batched  # noqa: E402
 from tinyserve.attention import triton_paged as tp  # noqa: E402
+from tinyserve.attention.triton_env import triton  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_HEADS = 32  # query heads of a Llama-3-8B-sized layer; GQA g gives NUM_HEADS // g KV heads
@@ -194,7 +196,7 @@ def run_grid(grids: list[Grid], device: torch.device, timer: Timer, copy_bw: flo
                 row["note"] = "reference n/a: would need more than --ref-gib"
             else:
                 try:
-                    ref_us = timer(partial(reference.paged_decode_attention, *args))
+                    ref_us = timer(partial(batched.paged_decode_attention, *args))
                     row.update(ref_us=ref_us, ref_gbps=nbytes / ref_us / 1e3, speedup=ref_us / us)
                 except torch.cuda.OutOfMemoryError:
                     row["note"] = "reference n/a: out of memory"
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         grids = QUICK if args.quick else [FULL]
         timer = Timer(device, warmup=3, reps=10 if args.quick else 30)
         print(torch.cuda.get_device_name(device), f"torch {torch.__version__}",
-              f"triton {tp.triton.__version__}")
+              f"triton {triton.__version__}")
 
     copy_bw = copy_bandwidth(device)
     print(f"device copy bandwidth: {copy_bw / 1e9:.0f} GB/s (bytes read + bytes written per second)\n")

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, table  # noqa: E402
 
-from tinyserve.viz import performance as perf  # noqa: E402
+from tinyserve.lab import perf  # noqa: E402
 
 MAX_MODEL_LEN = 2048
 TARGET = 0.95  # at block size 16: the vLLM paper reports under 4% of KV memory wasted

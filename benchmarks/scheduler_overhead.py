@@ -31,7 +31,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from common import RESULTS_DIR, machine, table  # noqa: E402
 
-from tinyserve.viz import performance as perf  # noqa: E402
+from tinyserve.lab import perf  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

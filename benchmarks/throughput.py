@@ -19,6 +19,10 @@ ratios.
     python benchmarks/throughput.py --quick          # a tiny run (seconds), for the smoke test
     python benchmarks/throughput.py --device cuda --model random-1b   # GPU: random weights
 
+The grid of workload shapes (prompt and output lengths, batch caps, chunked prefill) is
+``sweep.py``; ``roofline.py`` puts a decode step against the machine's limits and
+``profile_step.py`` splits one into its parts.
+
 It writes ``throughput.csv``, and ``step_times.csv`` / ``step_times_orca.csv`` (where each
 tinyserve step's time went on the mixed workload), to ``--out`` (default ``benchmarks/results``).
 """
@@ -46,7 +50,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from common import RESULTS_DIR, machine, table  # noqa: E402
 
-from tinyserve.viz import performance as perf  # noqa: E402
+from tinyserve.lab import perf  # noqa: E402
 
 BATCH = 32
 SWEEP_BATCH = 8

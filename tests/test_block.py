@@ -9,10 +9,9 @@ from hypothesis import strategies as st
 from tinyserve.block import BlockAllocator, Device, OutOfBlocksError, PhysicalTokenBlock, slot_for, slot_mapping
 
 
-def test_physical_block_starts_free_and_unhashed():
+def test_physical_block_starts_free():
     b = PhysicalTokenBlock(Device.CPU, 7, 16)
     assert (b.device, b.block_number, b.block_size, b.ref_count) == (Device.CPU, 7, 16, 0)
-    assert (b.block_hash, b.num_hashed_tokens, b.computed) == (None, 0, False)
     assert "CPU" in repr(b) and "7" in repr(b)
 
 

@@ -220,15 +220,16 @@ def test_free_returns_blocks_and_is_idempotent():
     assert bm.get_block_device(a) is None
 
 
-def test_without_prefix_caching_nothing_is_cached_or_marked():
+def test_the_plain_manager_never_shares_blocks_between_requests():
+    # Two requests with the same prompt get blocks of their own: sharing between requests is
+    # prefix caching's job (prefix_cache.PrefixCachingBlockSpaceManager, tests/test_prefix_caching.py).
     bm = BlockSpaceManager(block_size=2, num_gpu_blocks=4, num_cpu_blocks=0, watermark=0.0)
-    g = make_group("a", 4, 2)
-    admit(bm, g)
-    seq = g.get_seqs()[0]
-    seq.num_computed_tokens = 4
-    bm.mark_computed(seq)
-    assert bm.num_cached_tokens(make_group("b", 4, 2).get_seqs()[0]) == 0
-    assert not any(b.computed or b.block_hash is not None for b in bm.gpu_allocator.blocks)
+    first, second = make_group("a", 4, 2), make_group("b", 4, 2)  # the same 4 prompt tokens
+    admit(bm, first)
+    admit(bm, second)
+    a, b = (bm.get_block_table(g.get_seqs()[0]) for g in (first, second))
+    assert set(a).isdisjoint(b) and len(a) == len(b) == 2
+    assert bm.get_num_free_gpu_blocks() == 0
 
 
 # -- swapping -----------------------------------------------------------------------------------

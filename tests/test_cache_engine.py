@@ -139,3 +139,13 @@ def test_profile_needs_cuda():
     else:
         with pytest.raises(RuntimeError, match="CUDA"):
             CacheEngine.profile_num_gpu_blocks(16, 30, 3, 64, torch.float32)
+
+
+def test_the_worker_saves_a_swapped_out_block_before_the_model_writes_into_it():
+    # Round 3 of the walkthrough, played by Worker.execute_model on a real CacheEngine whose blocks
+    # hold one number each: s2's GPU block 2 goes to CPU block 0, and s1's new token (301) is
+    # written into block 2 in the same round. The old contents (102) must reach the CPU first.
+    from tinyserve.exercises.ch09 import worker_order_reference
+
+    gpu, cpu = worker_order_reference([100, 101, 102, 103], [200, 201], {2: 0}, {}, {}, {3: 300, 2: 301})
+    assert cpu == [102, 201] and gpu == [100, 101, 301, 300]

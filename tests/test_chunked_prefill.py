@@ -258,23 +258,3 @@ def test_the_timeline_reads_who_produced_a_token_from_simulator_and_engine_recor
     assert beyond.prefill_tokens(engine.history, {"s": 8, "long": 8}) == {"s": 5, "long": 150}
     fig = beyond.fig_chunked_prefill()
     assert len(fig.axes) == 2 and any("budget 32" in t.get_text() for t in fig.axes[1].texts)
-
-
-def test_check_prefill_chunks_accepts_a_right_answer_and_catches_the_usual_mistakes(capsys):
-    from tinyserve.exercises import beyond as ex
-
-    def right(prompt_len, decode_left, budget):
-        chunks, done, k = [], 0, 0
-        while done < prompt_len:
-            chunks.append(min(prompt_len - done, budget - sum(left > k for left in decode_left)))
-            done += chunks[-1]
-            k += 1
-        return chunks
-
-    def prompt_first(prompt_len, decode_left, budget):  # forgets that decodes go first
-        return [min(budget, prompt_len - i) for i in range(0, prompt_len, budget)]
-
-    assert ex.check_prefill_chunks(right)
-    assert not ex.check_prefill_chunks(prompt_first)
-    assert not ex.check_prefill_chunks(lambda p, d, b: right(p, [x + 1 for x in d], b))  # off by one round
-    assert "✗ prefill_chunks" in capsys.readouterr().out

@@ -13,10 +13,11 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from scheduler_play import assert_all_free, play_round
 
 from tinyserve import presets
-from tinyserve.block import BlockAllocator, Device
-from tinyserve.block_manager import AllocStatus, BlockSpaceManager, V04BlockSpaceManager
+from tinyserve.block import BlockAllocator, Device, OutOfBlocksError
+from tinyserve.block_manager import AllocStatus, BlockSpaceManager, StackBlockAllocator, V04BlockSpaceManager
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.engine import LLM
 from tinyserve.scheduler import Scheduler
@@ -56,14 +57,8 @@ def make_scheduler(compat: str, mode: str | None = None, block_size: int = 4, gp
 
 
 def step(sched: Scheduler):
-    """Schedule one round and play the worker: every sequence that reaches its end samples."""
-    _, out = sched.schedule()
-    for g, chunk in zip(out.scheduled_seq_groups, out.token_chunk_sizes):
-        for seq in g.get_seqs(SequenceStatus.RUNNING):
-            seq.num_computed_tokens += chunk
-            if seq.num_computed_tokens >= seq.get_len():
-                seq.append_token_id(next(_tokens))
-    return out
+    """Schedule one round and play the engine without a model (a prompt's first sample forks)."""
+    return play_round(sched)[1]
 
 
 def ids(queue) -> list[str]:
@@ -111,21 +106,22 @@ def test_fifo_is_the_default_order():
     assert [alloc.allocate().block_number for _ in range(3)] == [3, 1, 0]
 
 
-def test_lifo_hands_out_the_block_freed_last():
-    alloc = BlockAllocator(Device.GPU, 4, 4, order="lifo")
+def test_the_stack_allocator_hands_out_the_block_freed_last():
+    alloc = StackBlockAllocator(Device.GPU, 4, 4)
     a, b, c = (alloc.allocate() for _ in range(3))
     assert [a.block_number, b.block_number, c.block_number] == [3, 2, 1]  # v0.4 pops from the end
     alloc.free(b)
     alloc.free(a)
     assert [alloc.allocate().block_number for _ in range(3)] == [3, 2, 0]
-    with pytest.raises(ValueError, match="order"):
-        BlockAllocator(Device.GPU, 4, 4, order="random")
+    with pytest.raises(OutOfBlocksError, match="GPU"):
+        alloc.allocate()
 
 
 def test_both_pools_of_the_v04_manager_are_stacks():
-    assert BlockSpaceManager(4, 4, 4).gpu_allocator.order == "fifo"
+    assert type(BlockSpaceManager(4, 4, 4).gpu_allocator) is BlockAllocator
     bm = V04BlockSpaceManager(4, 4, 4)
-    assert bm.gpu_allocator.order == bm.cpu_allocator.order == "lifo"
+    assert type(bm.gpu_allocator) is type(bm.cpu_allocator) is StackBlockAllocator
+    assert [bm.cpu_allocator.allocate().block_number for _ in range(2)] == [3, 2]
 
 
 # -- can_append_slot -----------------------------------------------------------------------------
@@ -203,7 +199,7 @@ def test_a_recomputed_request_that_outgrew_the_watermark_is_dropped_only_under_v
             assert out.ignored_seq_groups == [g] and "needs more KV blocks" in g.error
             assert sched.block_manager.get_num_free_gpu_blocks() == 10
         else:
-            assert ids(out.scheduled_seq_groups) == ["A"] and out.phase == "prefill"
+            assert out.request_ids == ["A"] and out.phase == "prefill"
 
 
 # -- queue order and preemption ------------------------------------------------------------------
@@ -263,20 +259,6 @@ def _forked_pair(sched: Scheduler, rid: str, prompt_len: int) -> SequenceGroup:
     return g
 
 
-def _fork_after_prefill(sched: Scheduler, g: SequenceGroup) -> None:
-    """Fork the sequence the prefill sampled into two samples with different tokens."""
-    parent = g.get_seqs()[0]
-    parent.output_token_ids.pop()
-    parent.logical_token_blocks[-1].token_ids.pop()
-    if not parent.logical_token_blocks[-1].token_ids:
-        parent.logical_token_blocks.pop()
-    child = parent.fork(next(_ids))
-    g.add(child)
-    sched.fork_seq(parent, child)
-    parent.append_token_id(next(_tokens))
-    child.append_token_id(next(_tokens))
-
-
 @pytest.mark.parametrize("mode", [None, "recompute", "swap"])
 def test_v04_never_recomputes_a_group_of_several_sequences(mode):
     # A (n=1, older) and B (n=2, newest) each hold one 2-token block; B's samples need two
@@ -284,9 +266,8 @@ def test_v04_never_recomputes_a_group_of_several_sequences(mode):
     # asserts a single sequence, whatever preemption_mode asks for.
     sched = make_scheduler(V04, mode=mode, block_size=2, gpu=4, cpu=4)
     sched.add_seq_group(group("A", 2, 2))
-    b = _forked_pair(sched, "B", 2)
+    _forked_pair(sched, "B", 2)
     step(sched)
-    _fork_after_prefill(sched, b)
     out = step(sched)
     assert out.preempted == ["B"] and out.swapped_out == ["B"] and ids(sched.swapped) == ["B"]
     assert not sched.waiting
@@ -404,10 +385,7 @@ def test_v04_random_workloads_terminate_and_leak_nothing(workload):
         outcome |= dict.fromkeys(rec.finished, "finished") | dict.fromkeys(rec.ignored, "ignored")
     assert set(outcome) == {r.request_id for r in requests}  # every request finished or was refused
     assert all(outcome[rid] == "finished" for rid in sure), f"dropped though it fits: {outcome}"
-    bm = sched.block_manager
-    assert bm.block_tables == {}
-    assert bm.get_num_free_gpu_blocks() == cc.num_gpu_blocks and bm.get_num_free_cpu_blocks() == cc.num_cpu_blocks
-    assert all(b.ref_count == 0 for b in bm.gpu_allocator.blocks + bm.cpu_allocator.blocks)
+    assert_all_free(sched)
     assert not (sched.waiting or sched.running or sched.swapped)
 
 

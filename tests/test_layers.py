@@ -15,12 +15,15 @@ LAYERS = [
     ["config"],
     ["sequence", "sampling_params"],
     ["block", "block_manager", "prefix_cache"],
-    ["scheduler", "sim", "presets", "recording"],
+    # The Scheduler class and its parts (split_prefill, preemption, refusals, postprocess), what a
+    # round decides (scheduler_outputs), and what runs it without a model.
+    ["scheduler", "scheduler_outputs", "split_prefill", "preemption", "refusals", "postprocess", "sim", "presets",
+     "recording"],
     ["cache_engine"],
     ["attention"],
     ["models"],
     ["model_runner", "sampler", "worker", "detokenizer"],
-    ["outputs", "engine", "__main__"],
+    ["outputs", "engine", "llm", "__main__"],
     ["parallel"],
     ["serve"],
     ["lab"],  # matplotlib-free models and measurements that viz draws

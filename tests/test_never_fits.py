@@ -14,9 +14,10 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scheduler_play import assert_all_free, play_round
 
 from tinyserve import LLM, SamplingParams
-from tinyserve.block_manager import AllocStatus
+from tinyserve.block_manager import AllocStatus, BlockSpaceManager
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.scheduler import Scheduler
 from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -45,51 +46,12 @@ def add(sched: Scheduler, rid: str, prompt: int | list[int], n: int = 1, max_tok
     return group
 
 
-def play_round(sched: Scheduler):
-    """One round as the engine plays it, with made-up tokens: schedule; every sequence that
-    reached its last token samples (a prompt's first sample forks the group into n); sequences
-    at max_tokens or max_model_len finish and free their blocks."""
-    metadata, out = sched.schedule()
-    max_len = sched.scheduler_config.max_model_len
-    for group, chunk in zip(out.scheduled_seq_groups, out.token_chunk_sizes):
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
-            seq.num_computed_tokens += chunk
-            sched.mark_computed(seq)
-            if seq.num_computed_tokens < seq.get_len():
-                continue
-            first = group.is_waiting_for_prefill()
-            seq.append_token_id(next(_tokens))
-            samples = [seq]
-            if first:
-                for _ in range(group.sampling_params.n - 1):
-                    child = seq.fork(next(_ids))
-                    child.output_token_ids[-1] = next(_tokens)
-                    child.logical_token_blocks[-1].token_ids[-1] = child.output_token_ids[-1]
-                    group.add(child)
-                    sched.fork_seq(seq, child)
-                    samples.append(child)
-            for s in samples:
-                if s.get_output_len() >= group.sampling_params.max_tokens or s.get_len() >= max_len:
-                    s.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                    sched.free_seq(s)
-    sched.free_finished_seq_groups()
-    return metadata, out
-
-
 def run_to_end(sched: Scheduler, max_rounds: int = 2000) -> list:
     outs = []
     while sched.has_unfinished_seqs():
         outs.append(play_round(sched)[1])
         assert len(outs) < max_rounds, "the scheduler made no progress"
     return outs
-
-
-def assert_all_free(sched: Scheduler) -> None:
-    bm = sched.block_manager
-    assert bm.block_tables == {}
-    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
-    assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
-    assert all(b.ref_count == 0 for b in bm.gpu_allocator.blocks + bm.cpu_allocator.blocks)
 
 
 def ignored(outs) -> list[str]:
@@ -155,11 +117,31 @@ def test_n_over_max_num_seqs_is_ignored_and_the_queue_moves_on(policy):
 
 # -- the safety net ------------------------------------------------------------------------------
 
-def test_the_safety_net_finishes_a_swapped_group_that_can_never_come_back(monkeypatch):
+class Optimist(BlockSpaceManager):
+    """A block manager that thinks any group of samples fits: admission lets everything in."""
+
+    def worst_case_num_blocks(self, prompt_len: int, num_seqs: int, max_len: int) -> int:
+        return 0
+
+
+class Stuck(BlockSpaceManager):
+    """A broken block manager that never has room for a new prompt."""
+
+    def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
+        return AllocStatus.LATER
+
+
+def with_block_manager(cls: type, **kwargs) -> Scheduler:
+    """``make_scheduler(**kwargs)``, but with a block manager of class ``cls`` (the hook)."""
+    cc = make_scheduler(**kwargs).cache_config
+    bm = cls(cc.block_size, cc.num_gpu_blocks, cc.num_cpu_blocks, watermark=cc.watermark)
+    return Scheduler(make_scheduler(**kwargs).scheduler_config, cc, block_manager=bm)
+
+
+def test_the_safety_net_finishes_a_swapped_group_that_can_never_come_back():
     # Without the admission check the issue's hang comes back: the group is swapped out and
     # cannot return even to an empty GPU. The round that would idle forever finishes it instead.
-    monkeypatch.setattr(Scheduler, "_never_fits", lambda self, group: None)
-    sched = make_scheduler(gpu=8, mode="swap", max_num_seqs=4)
+    sched = with_block_manager(Optimist, gpu=8, mode="swap", max_num_seqs=4)
     other = add(sched, "other", 4, max_tokens=6)
     big = add(sched, "big", 4, n=3, max_tokens=30)
     outs = run_to_end(sched, max_rounds=200)
@@ -173,10 +155,9 @@ def test_the_safety_net_finishes_a_swapped_group_that_can_never_come_back(monkey
     assert_all_free(sched)
 
 
-def test_the_safety_net_finishes_a_waiting_group_a_broken_block_manager_never_admits(monkeypatch):
-    sched = make_scheduler(gpu=8)
+def test_the_safety_net_finishes_a_waiting_group_a_broken_block_manager_never_admits():
+    sched = with_block_manager(Stuck, gpu=8)
     stuck = add(sched, "stuck", 4)
-    monkeypatch.setattr(sched.block_manager, "can_allocate", lambda group: AllocStatus.LATER)
     _, out = sched.schedule()
     assert out.ignored_seq_groups == [stuck] and not sched.has_unfinished_seqs()
     assert "can never be scheduled" in stuck.error and "waiting" in stuck.error

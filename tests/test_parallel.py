@@ -26,7 +26,6 @@ from safetensors.torch import load_file, save_file
 from tinyserve import LLM, SamplingParams, presets
 from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tinyserve.engine import LLMEngine
-from tinyserve.exercises import parallel as ex
 from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.parallel import (
     TensorParallelExecutor,
@@ -152,7 +151,8 @@ def test_a_failing_round_raises_and_stops_every_worker(tp_executor):
 def tp2_llm(tiny_model_dir):
     # 8 blocks of 4 tokens for four sequences that grow to 15-17 tokens: constant swapping.
     llm = LLM(model=str(tiny_model_dir), device="cpu", tensor_parallel_size=2, block_size=BLOCK,
-              num_gpu_blocks=8, num_cpu_blocks=32, max_model_len=32, preemption_mode="swap", watermark=0.0)
+              num_gpu_blocks=8, num_cpu_blocks=32, max_model_len=32, preemption_mode="swap", watermark=0.0,
+              record_history=True)
     yield llm
     llm.engine.executor.shutdown()
 
@@ -299,55 +299,12 @@ def test_default_model_on_three_ranks_matches_one_rank(smollm2_loaded):
     assert_gone(pids)
 
 
-# -- the chapter's exercise checkers ---------------------------------------------------------
-
-def shapes_by_hand(cfg, k):
-    q = cfg.num_attention_heads * cfg.head_dim // k
-    kv = cfg.num_key_value_heads * cfg.head_dim // k
-    inter = cfg.intermediate_size // k
-    return {"qkv_proj": (q + 2 * kv, cfg.hidden_size), "o_proj": (cfg.hidden_size, q),
-            "gate_up_proj": (2 * inter, cfg.hidden_size), "down_proj": (cfg.hidden_size, inter)}
-
-
-def bytes_by_hand(cfg, k, b, split_embeddings=False):
-    per_layer = sum(o * i for o, i in shapes_by_hand(cfg, k).values()) + 2 * cfg.hidden_size
-    embed = cfg.vocab_size * cfg.hidden_size // (k if split_embeddings else 1)
-    head = 0 if cfg.tie_word_embeddings else embed
-    return (cfg.num_hidden_layers * per_layer + embed + head + cfg.hidden_size) * b
-
-
-def plan_by_hand(kinds, gather_after_column=False):
-    out = []
-    for i, kind in enumerate(kinds):
-        nxt = kinds[i + 1] if i + 1 < len(kinds) else None
-        if kind == "row":
-            out.append("reduce-scatter" if nxt == "row" else "all-reduce")
-        elif kind == "column" and (nxt != "row" or gather_after_column):
-            out.append("all-gather")
-        else:
-            out.append("none")
-    return out
-
-
-def test_checkers_accept_right_answers_and_reject_wrong_ones(capsys):
-    assert ex.check_shard_shapes(shapes_by_hand)
-    wrong_kv = lambda cfg, k: {**shapes_by_hand(cfg, k), "qkv_proj": (  # noqa: E731
-        (cfg.num_attention_heads // k + 2 * cfg.num_key_value_heads) * cfg.head_dim, cfg.hidden_size)}
-    assert not ex.check_shard_shapes(wrong_kv)
-    assert ex.check_weight_bytes_per_rank(bytes_by_hand)
-    assert not ex.check_weight_bytes_per_rank(lambda c, k, b: bytes_by_hand(c, k, b, split_embeddings=True))
-    assert ex.check_communication(plan_by_hand)
-    assert not ex.check_communication(lambda kinds: plan_by_hand(kinds, gather_after_column=True))
-    assert not ex.check_communication(lambda kinds: ["all-reduce" if k == "row" else "none" for k in kinds])
-    out = capsys.readouterr().out
-    assert out.count("✓") == 3 and out.count("✗") == 4
-
-
 def test_memory_figure_draws_the_bytes_per_rank():
     import matplotlib
 
     matplotlib.use("Agg")
-    from tinyserve.viz.parallel import SHAPES, draw_memory_per_rank
+    from tinyserve.lab.tp_memory import SHAPES
+    from tinyserve.viz.parallel import draw_memory_per_rank
 
     fig = draw_memory_per_rank(bytes_per_param=2)
     smol = fig.axes[0]

@@ -429,30 +429,3 @@ def test_the_prefix_sharing_figure_draws_the_shared_blocks_and_the_savings():
     assert len(first3) == 4 and len({tuple(v) for v in first3.values()}) == 1  # the same 3 physical blocks
     assert len({b[3] for b in blocks.values()}) == 4  # the straddling block is private
     assert "72 saved" in fig.axes[1].get_title()
-
-
-def test_check_cached_tokens_accepts_a_right_answer_and_catches_the_usual_mistakes(capsys):
-    from tinyserve.exercises import beyond as ex
-
-    def right(prompt, earlier, bs):
-        best = 0
-        for other in earlier:
-            n = 0
-            while n + bs <= min(len(prompt), len(other)) and prompt[n:n + bs] == other[n:n + bs]:
-                n += bs
-            best = max(best, n)
-        return min(best, len(prompt) - 1)
-
-    def forgets_the_last_token(prompt, earlier, bs):
-        return max([right(prompt, earlier, bs)] + [right(prompt + [0], earlier, bs)])
-
-    def shares_partial_blocks(prompt, earlier, bs):
-        lcp = max((next((i for i, (x, y) in enumerate(zip(prompt, o)) if x != y), min(len(prompt), len(o)))
-                   for o in earlier), default=0)
-        return min(lcp, len(prompt) - 1)
-
-    assert ex.check_cached_tokens(right)
-    assert not ex.check_cached_tokens(forgets_the_last_token)
-    assert not ex.check_cached_tokens(shares_partial_blocks)
-    assert not ex.check_cached_tokens(lambda p, e, b: 1 / 0)
-    assert "✗ cached_tokens" in capsys.readouterr().out

@@ -6,10 +6,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from scheduler_play import assert_all_free, play_round
 
 from tinyserve.block import Device
 from tinyserve.config import CacheConfig, SchedulerConfig
-from tinyserve.scheduler import Scheduler
+from tinyserve.scheduler import Scheduler, SchedulingBudget
 from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 
 _ids = itertools.count()
@@ -34,15 +35,8 @@ def add(sched: Scheduler, rid: str, prompt_len: int, n: int = 1, max_tokens: int
 
 
 def step(sched: Scheduler):
-    """One round as the engine would run it, minus the model: schedule, then every sequence that
-    reached the end of its tokens samples one."""
-    metadata, out = sched.schedule()
-    for group, chunk in zip(out.scheduled_seq_groups, out.token_chunk_sizes):
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
-            seq.num_computed_tokens += chunk
-            if seq.num_computed_tokens >= seq.get_len():
-                seq.append_token_id(next(_tokens))
-    return metadata, out
+    """One round as the engine would run it, minus the model (a prompt's first sample forks)."""
+    return play_round(sched)
 
 
 def finish(sched: Scheduler, group: SequenceGroup) -> None:
@@ -60,14 +54,6 @@ def table(sched: Scheduler, group: SequenceGroup, i: int = 0) -> list[int]:
     return sched.block_manager.get_block_table(group.get_seqs()[i])
 
 
-def assert_all_free(sched: Scheduler) -> None:
-    bm = sched.block_manager
-    assert bm.block_tables == {}
-    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
-    assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
-    assert all(b.ref_count == 0 for b in bm.gpu_allocator.blocks + bm.cpu_allocator.blocks)
-
-
 def test_scheduler_needs_block_counts():
     with pytest.raises(ValueError, match="num_gpu_blocks"):
         Scheduler(SchedulerConfig(), CacheConfig())
@@ -80,7 +66,7 @@ def test_simple_prefill_then_decode():
 
     metadata, out = step(sched)
     assert out.phase == "prefill"
-    assert ids(out.scheduled_seq_groups) == ["A", "B", "C"]
+    assert out.request_ids == ["A", "B", "C"]
     assert [m.is_prompt for m in metadata] == [True] * 3
     assert [m.token_chunk_size for m in metadata] == [5, 3, 4]
     assert all(m.do_sample for m in metadata)
@@ -93,7 +79,7 @@ def test_simple_prefill_then_decode():
 
     metadata, out = step(sched)
     assert out.phase == "decode"
-    assert ids(out.scheduled_seq_groups) == ["A", "B", "C"]
+    assert out.request_ids == ["A", "B", "C"]
     assert [m.is_prompt for m in metadata] == [False] * 3
     assert [m.token_chunk_size for m in metadata] == [1, 1, 1]
     assert out.num_batched_tokens == 3
@@ -114,7 +100,7 @@ def _two_full_prompts(mode: str) -> tuple[Scheduler, SequenceGroup, SequenceGrou
     sched = make_scheduler(mode=mode, block_size=2, gpu=4, cpu=4, max_tokens=8, max_num_seqs=2)
     a, b = add(sched, "A", 4), add(sched, "B", 4)
     _, out = step(sched)
-    assert ids(out.scheduled_seq_groups) == ["A", "B"]
+    assert out.request_ids == ["A", "B"]
     assert sched.block_manager.get_num_free_gpu_blocks() == 0
     return sched, a, b
 
@@ -125,7 +111,7 @@ def test_preemption_by_recompute_frees_the_newest_and_sends_it_to_the_front_of_w
     b_tokens = b.get_seqs()[0].get_token_ids()
 
     _, out = step(sched)
-    assert out.phase == "decode" and ids(out.scheduled_seq_groups) == ["A"]
+    assert out.phase == "decode" and out.request_ids == ["A"]
     assert out.preempted == ["B"] and out.swapped_out == [] and out.blocks_to_swap_out == {}
     assert ids(sched.waiting) == ["B", "C"] and ids(sched.running) == ["A"] and not sched.swapped
     seq_b = b.get_seqs()[0]
@@ -137,7 +123,7 @@ def test_preemption_by_recompute_frees_the_newest_and_sends_it_to_the_front_of_w
     finish(sched, a)
     metadata, out = step(sched)
     # B comes back first, prefilling its prompt and its one output token again.
-    assert out.phase == "prefill" and ids(out.scheduled_seq_groups)[0] == "B"
+    assert out.phase == "prefill" and out.request_ids[0] == "B"
     assert metadata[0].token_chunk_size == 5 and metadata[0].is_prompt
     assert seq_b.get_output_len() == 2
     finish(sched, b)
@@ -150,7 +136,7 @@ def test_preemption_by_swap_and_swap_in_round_trip_the_block_mapping():
     old_b = table(sched, b)
 
     _, out = step(sched)
-    assert ids(out.scheduled_seq_groups) == ["A"]
+    assert out.request_ids == ["A"]
     assert out.preempted == ["B"] and out.swapped_out == ["B"]
     assert set(out.blocks_to_swap_out) == set(old_b)
     cpu_blocks = [out.blocks_to_swap_out[n] for n in old_b]
@@ -163,12 +149,12 @@ def test_preemption_by_swap_and_swap_in_round_trip_the_block_mapping():
 
     # A holds 3 blocks: B (2 blocks + 1 to grow) cannot come back yet.
     _, out = step(sched)
-    assert ids(out.scheduled_seq_groups) == ["A"] and out.blocks_to_swap_in == {}
+    assert out.request_ids == ["A"] and out.blocks_to_swap_in == {}
     assert ids(sched.swapped) == ["B"]
 
     finish(sched, a)
     _, out = step(sched)
-    assert out.phase == "decode" and ids(out.scheduled_seq_groups) == ["B"] and out.swapped_in == ["B"]
+    assert out.phase == "decode" and out.request_ids == ["B"] and out.swapped_in == ["B"]
     assert set(out.blocks_to_swap_in) == set(cpu_blocks)
     new_b = table(sched, b)
     # Round trip: each logical block lands where gpu -> cpu -> gpu sends it, in order.
@@ -185,12 +171,12 @@ def test_max_num_seqs_is_respected():
     a = add(sched, "A", 3)
     add(sched, "B", 3), add(sched, "C", 3)
     _, out = step(sched)
-    assert ids(out.scheduled_seq_groups) == ["A", "B"] and ids(sched.waiting) == ["C"]
+    assert out.request_ids == ["A", "B"] and ids(sched.waiting) == ["C"]
     _, out = step(sched)
-    assert out.phase == "decode" and ids(out.scheduled_seq_groups) == ["A", "B"]
+    assert out.phase == "decode" and out.request_ids == ["A", "B"]
     finish(sched, a)
     _, out = step(sched)
-    assert out.phase == "prefill" and ids(out.scheduled_seq_groups) == ["C"]
+    assert out.phase == "prefill" and out.request_ids == ["C"]
     assert ids(sched.running) == ["B", "C"]
 
 
@@ -199,7 +185,7 @@ def test_max_num_seqs_counts_the_samples_of_a_prompt():
     add(sched, "A", 3, n=2)
     add(sched, "B", 3, n=2)
     _, out = step(sched)
-    assert ids(out.scheduled_seq_groups) == ["A"] and ids(sched.waiting) == ["B"]
+    assert out.request_ids == ["A"] and ids(sched.waiting) == ["B"]
 
 
 @pytest.mark.parametrize("policy", ["vllm", "orca"])
@@ -207,12 +193,12 @@ def test_max_num_batched_tokens_is_respected(policy):
     sched = make_scheduler(policy=policy, max_tokens=10, max_num_seqs=4)
     add(sched, "A", 4), add(sched, "B", 4), add(sched, "C", 4)
     _, out = step(sched)
-    assert ids(out.scheduled_seq_groups) == ["A", "B"] and out.num_batched_tokens == 8
+    assert out.request_ids == ["A", "B"] and out.num_batched_tokens == 8
     _, out = step(sched)
     if policy == "vllm":  # a prefill round of C alone; A and B wait for the next decode round
-        assert ids(out.scheduled_seq_groups) == ["C"] and out.num_batched_tokens == 4
+        assert out.request_ids == ["C"] and out.num_batched_tokens == 4
     else:  # two decodes and C's prefill: 2 + 4 tokens
-        assert ids(out.scheduled_seq_groups) == ["A", "B", "C"] and out.num_batched_tokens == 6
+        assert out.request_ids == ["A", "B", "C"] and out.num_batched_tokens == 6
         assert out.phase == "mixed"
 
 
@@ -222,14 +208,14 @@ def test_orca_does_not_admit_a_prompt_that_overflows_the_round_with_the_decodes(
     step(sched)
     add(sched, "C", 9)  # 2 decodes + 9 = 11 > 10
     _, out = step(sched)
-    assert ids(out.scheduled_seq_groups) == ["A", "B"] and ids(sched.waiting) == ["C"]
+    assert out.request_ids == ["A", "B"] and ids(sched.waiting) == ["C"]
 
 
 def test_a_prompt_exactly_at_the_budget_runs_alone():
     sched = make_scheduler(max_tokens=10, max_num_seqs=4)
     add(sched, "A", 10), add(sched, "B", 1)
     _, out = step(sched)
-    assert ids(out.scheduled_seq_groups) == ["A"] and out.num_batched_tokens == 10
+    assert out.request_ids == ["A"] and out.num_batched_tokens == 10
 
 
 def test_abort_from_each_queue_frees_blocks():
@@ -255,11 +241,8 @@ def test_abort_from_each_queue_frees_blocks():
 def test_abort_a_forked_group_frees_its_shared_blocks():
     sched = make_scheduler(block_size=4, gpu=8)
     g = add(sched, "A", 3, n=2, max_tokens=4)
-    step(sched)
-    parent = g.get_seqs()[0]
-    child = parent.fork(next(_ids))
-    g.add(child)
-    sched.fork_seq(parent, child)
+    step(sched)  # the prefill's sample forks A into two sequences sharing its block
+    assert len(g.get_seqs()) == 2 and table(sched, g, 0) == table(sched, g, 1)
     sched.abort_seq_group("A")
     assert all(s.status == SequenceStatus.FINISHED_ABORTED for s in g.get_seqs())
     assert_all_free(sched)
@@ -280,7 +263,7 @@ def test_an_over_long_prompt_is_ignored_with_a_reason(max_model_len, max_tokens,
     assert seq.status == SequenceStatus.FINISHED_IGNORED and seq.finish_message == long.error
     assert seq.status.finish_reason == "ignored"
     # The other request is not held back.
-    assert ids(out.scheduled_seq_groups) == ["ok"]
+    assert out.request_ids == ["ok"]
     assert long not in sched.waiting and ok in sched.running
     assert sched.block_manager.get_num_free_gpu_blocks() == 15
 
@@ -292,7 +275,7 @@ def test_a_prompt_that_can_never_fit_is_ignored_not_waited_for():
     _, out = step(sched)
     assert out.ignored_seq_groups == [big]
     assert "blocks" in big.error and "2 blocks" in big.error
-    assert ids(out.scheduled_seq_groups) == ["small"]
+    assert out.request_ids == ["small"]
 
 
 def test_the_watermark_decides_never_too():
@@ -302,25 +285,10 @@ def test_the_watermark_decides_never_too():
     assert out.ignored_seq_groups == [big]
 
 
-def _forked(sched: Scheduler, group: SequenceGroup) -> None:
-    """After the prefill of an n=2 group: fork its sequence and let the two samples differ."""
-    parent = group.get_seqs()[0]
-    parent.output_token_ids.pop()
-    parent.logical_token_blocks[-1].token_ids.pop()
-    if not parent.logical_token_blocks[-1].token_ids:
-        parent.logical_token_blocks.pop()
-    child = parent.fork(next(_ids))
-    group.add(child)
-    sched.fork_seq(parent, child)
-    parent.append_token_id(next(_tokens))
-    child.append_token_id(next(_tokens))
-
-
 def test_forked_samples_copy_their_shared_last_block_on_write():
     sched = make_scheduler(block_size=4, gpu=8)
     g = add(sched, "A", 2, n=2, max_tokens=4)
     step(sched)
-    _forked(sched, g)
     shared = table(sched, g, 0)
     assert table(sched, g, 1) == shared and len(shared) == 1
     metadata, out = step(sched)
@@ -335,14 +303,13 @@ def test_forked_samples_copy_their_shared_last_block_on_write():
 def test_no_preemption_mode_recomputes_a_single_sequence_group():
     # A (n=2, older) and B (n=1, newest): A's two samples each need a block; B cannot get one.
     sched = make_scheduler(mode=None, block_size=2, gpu=4, cpu=4)
-    a = add(sched, "A", 2, n=2, max_tokens=2)  # small enough to fit: see test_never_fits.py
+    add(sched, "A", 2, n=2, max_tokens=2)  # small enough to fit: see test_never_fits.py
     b = add(sched, "B", 2)
     step(sched)
-    _forked(sched, a)
     _, out = step(sched)
     assert out.preempted == ["B"] and out.swapped_out == [] and out.blocks_to_swap_out == {}
     assert ids(sched.waiting) == ["B"] and b.get_seqs()[0].status == SequenceStatus.WAITING
-    assert ids(out.scheduled_seq_groups) == ["A"]
+    assert out.request_ids == ["A"]
 
 
 def test_no_preemption_mode_swaps_a_group_with_several_sequences():
@@ -351,18 +318,17 @@ def test_no_preemption_mode_swaps_a_group_with_several_sequences():
     a = add(sched, "A", 2)
     b = add(sched, "B", 2, n=2, max_tokens=2)
     step(sched)
-    _forked(sched, b)
     shared = table(sched, b)
     _, out = step(sched)
     assert out.preempted == ["B"] and out.swapped_out == ["B"]
     assert list(out.blocks_to_swap_out) == shared  # the shared block moves once
     cpu = out.blocks_to_swap_out[shared[0]]
-    assert ids(sched.swapped) == ["B"] and ids(out.scheduled_seq_groups) == ["A"]
+    assert ids(sched.swapped) == ["B"] and out.request_ids == ["A"]
     assert all(s.status == SequenceStatus.SWAPPED for s in b.get_seqs())
     assert table(sched, b, 0) == table(sched, b, 1) == [cpu]
     assert sched.block_manager.cpu_allocator.blocks[cpu].ref_count == 2
     finish(sched, a)
-    _, out = step(sched)
+    _, out = sched.schedule()  # (no postprocess: the round's token would finish both samples)
     assert out.swapped_in == ["B"] and list(out.blocks_to_swap_in) == [cpu]
     back = out.blocks_to_swap_in[cpu]
     assert table(sched, b, 0)[0] == table(sched, b, 1)[0] == back  # still shared after the round trip
@@ -376,7 +342,6 @@ def test_forced_recompute_still_swaps_a_group_with_several_sequences():
     add(sched, "A", 2)
     b = add(sched, "B", 2, n=2, max_tokens=2)
     step(sched)
-    _forked(sched, b)
     _, out = step(sched)
     assert out.preempted == ["B"] and out.swapped_out == ["B"] and ids(sched.swapped) == ["B"]
     assert len(out.blocks_to_swap_out) == 1 and not sched.waiting
@@ -395,11 +360,11 @@ def test_without_cpu_swap_space_a_single_sequence_falls_back_to_recompute():
     step(sched)
     _, out = step(sched)  # A needs a third block; B cannot be swapped out, so it is recomputed
     assert out.preempted == ["B"] and out.swapped_out == [] and out.blocks_to_swap_out == {}
-    assert ids(sched.waiting) == ["B"] and ids(out.scheduled_seq_groups) == ["A"]
+    assert ids(sched.waiting) == ["B"] and out.request_ids == ["A"]
     assert b.get_seqs()[0].status == SequenceStatus.WAITING and not out.ignored_seq_groups
     finish(sched, a)
     _, out = step(sched)
-    assert ids(out.scheduled_seq_groups) == ["B"] and out.phase == "prefill"
+    assert out.request_ids == ["B"] and out.phase == "prefill"
     finish(sched, b)
     assert_all_free(sched)
 
@@ -413,14 +378,12 @@ def test_a_group_that_can_neither_swap_nor_recompute_is_finished_alone(cpu):
     a = add(sched, "A", 2, n=2, max_tokens=2)
     b = add(sched, "B", 2, n=2, max_tokens=2)
     step(sched)
-    _forked(sched, a)
-    _forked(sched, b)
     if cpu:  # fill the one CPU block
         sched.block_manager.cpu_allocator.allocate()
     b_tokens = [s.get_token_ids() for s in b.get_seqs()]
     _, out = sched.schedule()
     assert out.ignored_seq_groups == [b] and out.preempted == [] and not out.blocks_to_swap_out
-    assert ids(out.scheduled_seq_groups) == ["A"] and ids(sched.running) == ["A"]
+    assert out.request_ids == ["A"] and ids(sched.running) == ["A"]
     assert not (sched.waiting or sched.swapped)
     assert "CPU swap space is full" in b.error and "num_cpu_blocks" in b.error
     assert all(s.status.finish_reason == "ignored" and s.finish_message == b.error for s in b.get_seqs())
@@ -449,9 +412,9 @@ def test_vllm_never_mixes_a_new_prompt_into_a_decode_round():
     step(sched)
     add(sched, "B", 5)
     _, out = step(sched)
-    assert out.phase == "prefill" and ids(out.scheduled_seq_groups) == ["B"]
+    assert out.phase == "prefill" and out.request_ids == ["B"]
     _, out = step(sched)
-    assert out.phase == "decode" and ids(out.scheduled_seq_groups) == ["A", "B"]
+    assert out.phase == "decode" and out.request_ids == ["A", "B"]
 
 
 def test_vllm_admits_nothing_while_a_group_is_swapped_out():
@@ -459,7 +422,7 @@ def test_vllm_admits_nothing_while_a_group_is_swapped_out():
     step(sched)  # B swapped out
     add(sched, "C", 1)  # would fit in the one free block
     _, out = step(sched)
-    assert out.phase == "decode" and ids(out.scheduled_seq_groups) == ["A"] and ids(sched.waiting) == ["C"]
+    assert out.phase == "decode" and out.request_ids == ["A"] and ids(sched.waiting) == ["C"]
 
 
 @pytest.mark.parametrize("policy", ["vllm", "orca"])
@@ -525,7 +488,6 @@ def test_nothing_is_swapped_in_during_a_round_that_preempted():
     add(sched, "A", 4), add(sched, "V", 6)
     s = add(sched, "S", 2, n=2, max_tokens=6)
     step(sched)
-    _forked(sched, s)
     _, out = step(sched)
     assert out.swapped_out == ["S"]
     _, out = step(sched)
@@ -535,4 +497,84 @@ def test_nothing_is_swapped_in_during_a_round_that_preempted():
     assert sched.block_manager.can_swap_in(s)  # it would fit now ...
     assert out.swapped_in == [] and ids(sched.swapped) == ["S"]  # ... but not in this round
     _, out = step(sched)
-    assert out.swapped_in == ["S"] and ids(out.scheduled_seq_groups) == ["A", "S"]
+    assert out.swapped_in == ["S"] and out.request_ids == ["A", "S"]
+
+
+# -- the budget and the scheduled-group record ---------------------------------------------------
+
+
+def test_the_budget_counts_tokens_and_sequences_against_both_limits():
+    budget = SchedulingBudget(token_budget=10, max_num_seqs=3, num_curr_seqs=1)
+    assert budget.remaining_token_budget() == 10 and budget.can_schedule(10, 2)
+    assert not budget.can_schedule(11, 0) and not budget.can_schedule(1, 3)
+    budget.add(num_new_tokens=6, num_new_seqs=2)
+    assert (budget.num_batched_tokens, budget.num_curr_seqs, budget.remaining_token_budget()) == (6, 3, 4)
+    assert budget.can_schedule(4, 0) and not budget.can_schedule(5, 0) and not budget.can_schedule(1, 1)
+    budget.subtract_seqs(2)
+    assert budget.can_schedule(4, 2)
+
+
+def test_each_scheduled_group_carries_its_chunk_and_phase_and_matches_its_metadata():
+    sched = make_scheduler(policy="orca", max_tokens=8)
+    add(sched, "A", 5)
+    step(sched)
+    add(sched, "B", 3)
+    metadata, out = sched.schedule()
+    assert [(s.seq_group.request_id, s.token_chunk_size, s.is_prompt) for s in out.scheduled_seq_groups] == [
+        ("A", 1, False), ("B", 3, True)]
+    assert [(m.request_id, m.token_chunk_size, m.is_prompt) for m in metadata] == [
+        (s.seq_group.request_id, s.token_chunk_size, s.is_prompt) for s in out.scheduled_seq_groups]
+    assert out.num_batched_tokens == sum(s.num_batched_tokens for s in out.scheduled_seq_groups) == 4
+    assert out.phase == "mixed" and out.request_ids == ["A", "B"]
+
+
+# -- after the model: postprocess ----------------------------------------------------------------
+
+
+def test_postprocess_appends_no_token_after_a_prefill_piece_short_of_the_prompt_end():
+    sched = make_scheduler(policy="orca", chunked=True, max_tokens=4, max_num_seqs=2)
+    a = add(sched, "A", 10)
+    seq = a.get_seqs()[0]
+    for computed in (4, 8):
+        metadata, out = sched.schedule()
+        assert metadata[0].token_chunk_size == 4 and not metadata[0].do_sample
+        assert sched.postprocess(out, lambda group, s: 7) == []
+        assert (seq.num_computed_tokens, seq.get_output_len()) == (computed, 0)
+    metadata, out = sched.schedule()
+    assert metadata[0].token_chunk_size == 2 and metadata[0].do_sample
+    sched.postprocess(out, lambda group, s: 7)
+    assert (seq.num_computed_tokens, seq.output_token_ids) == (10, [7])
+    assert not seq.is_prefill()
+
+
+@pytest.mark.parametrize("stop, expected", [
+    (dict(eos=7), "stop"), (dict(eos=7, ignore_eos=True), "length"), (dict(stop_token_ids=[7]), "stop"),
+    (dict(), "length"), (dict(max_model_len=5), "length"), (dict(string=True), "stop")])
+def test_check_stop_finishes_on_eos_stop_ids_stop_strings_and_lengths(stop, expected):
+    # A 4-token prompt; the first sample is token 7. It ends the sequence on EOS or a stop id
+    # (unless EOS is ignored), on a stop string the engine found, or on reaching max_tokens=1,
+    # or max_model_len=5 tokens (with max_tokens=8 the length cap comes from the model).
+    max_tokens = 1 if not stop or stop.get("ignore_eos") else 8
+    sched = make_scheduler(max_model_len=stop.get("max_model_len", 64))
+    seq = Sequence(next(_ids), None, [1, 2, 3, 4], 4)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=stop.get("ignore_eos", False),
+                            stop_token_ids=stop.get("stop_token_ids"))
+    group = SequenceGroup("A", [seq], params, 0.0)
+    sched.add_seq_group(group)
+    _, out = sched.schedule()
+    (g, s), = sched.update_num_computed_tokens(out)
+    s.append_token_id(7)
+    assert sched.check_stop(g, s, stop.get("eos"), stop_string_found=stop.get("string", False))
+    assert seq.status.finish_reason == expected
+    sched.free_finished_seq_groups()
+    assert_all_free(sched)
+
+
+def test_check_stop_lets_a_sequence_go_on_otherwise():
+    sched = make_scheduler()
+    g = add(sched, "A", 4, max_tokens=3)
+    _, out = sched.schedule()
+    (group, seq), = sched.update_num_computed_tokens(out)
+    seq.append_token_id(7)
+    assert not sched.check_stop(group, seq, eos_token_id=8) and not seq.is_finished()
+    assert sched.block_manager.get_block_table(seq) == table(sched, g)

@@ -1,15 +1,19 @@
 """The RoundStepper, driven headlessly: click through every round and back, sweep the slider over
-every value, and check that the text it displays matches the records it was given."""
+every value, play, and check that what it shows (one HTML value: text and picture) matches the
+records it was given, that its picture is never stretched, and that its saved view is a filmstrip."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import html
 import re
 
 import pytest
 
 from tinyserve import presets, sim
 from tinyserve.viz.stepper import RoundStepper
+from tinyserve.viz.widget_view import PIXEL_RATIO, png_size
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -26,9 +30,21 @@ PRESETS = {
 }
 
 
-def fields(html: str) -> dict[str, str]:
-    """What a reader sees in one of the stepper's HTML panels, as label -> text."""
-    return {label: value for label, value in re.findall(r"<div><b>(.*?)</b>: (.*?)</div>", html)}
+def fields(view: str) -> dict[str, str]:
+    """What a reader sees in a widget's view, as label -> text."""
+    return {html.unescape(label): html.unescape(value)
+            for label, value in re.findall(r"<div><b>(.*?)</b>: (.*?)</div>", view)}
+
+
+def picture(view: str) -> tuple[bytes, str, int]:
+    """The view's picture: PNG bytes, alt text and the CSS width it is shown at."""
+    m = re.search(r'<img src="data:image/png;base64,([^"]+)" alt="([^"]*)" width="(\d+)"', view)
+    assert m, "the view has no picture"
+    return base64.b64decode(m.group(1)), html.unescape(m.group(2)), int(m.group(3))
+
+
+def data_step(view: str) -> int:
+    return int(re.search(r'data-step="(\d+)"', view).group(1))
 
 
 def shown(ids: list[str]) -> str:
@@ -36,16 +52,17 @@ def shown(ids: list[str]) -> str:
 
 
 def assert_shows(stepper: RoundStepper, record: sim.RoundRecord) -> None:
-    summary, queues = fields(stepper.summary.value), fields(stepper.queues_html.value)
-    assert summary["round"] == str(record.round)
-    assert summary["phase"] == record.phase
-    assert summary["batch"] == shown(record.batch)
-    assert summary["preempted"] == shown(record.preempted)
-    assert summary["swapped out"] == shown(record.swapped_out)
-    assert summary["swapped in"] == shown(record.swapped_in)
-    assert summary["finished"] == shown(record.finished)
-    assert queues == {"waiting": shown(record.waiting), "running": shown(record.running),
-                      "swapped": shown(record.swapped)}
+    f = fields(stepper.view.value)
+    assert f["round"] == str(record.round)
+    assert f["phase"] == record.phase
+    assert f["batch"] == shown(record.batch)
+    assert f["preempted"] == shown(record.preempted)
+    assert f["swapped out"] == shown(record.swapped_out)
+    assert f["swapped in"] == shown(record.swapped_in)
+    assert f["finished"] == shown(record.finished)
+    assert (f["waiting"], f["running"], f["swapped"]) == (shown(record.waiting), shown(record.running),
+                                                          shown(record.swapped))
+    assert data_step(stepper.view.value) == record.round
     assert stepper.record is record
     assert stepper.prev_button.disabled == (record.round == 1)
     assert stepper.next_button.disabled == (record is stepper.records[-1])
@@ -90,40 +107,51 @@ def test_buttons_stop_at_the_ends():
 def test_seed_rounds_as_the_story_tells_them():
     """Spot checks written out by hand, independent of the records' own fields."""
     stepper = RoundStepper(PRESETS["seed_swap"](), draw=False)
-    s, q = fields(stepper.summary.value), fields(stepper.queues_html.value)
-    assert (s["phase"], s["batch"], q["waiting"]) == ("prefill", "s0, s1", "s2")
+    f = fields(stepper.view.value)
+    assert (f["phase"], f["batch"], f["waiting"]) == ("prefill", "s0, s1", "s2")
     stepper.next_button.click()
-    s = fields(stepper.summary.value)
-    assert (s["phase"], s["batch"]) == ("prefill", "s2")
+    f = fields(stepper.view.value)
+    assert (f["phase"], f["batch"]) == ("prefill", "s2")
     stepper.next_button.click()
-    s, q = fields(stepper.summary.value), fields(stepper.queues_html.value)
-    assert (s["phase"], s["batch"], s["preempted"], s["swapped out"]) == ("decode", "s0, s1", "s2", "s2")
-    assert (q["running"], q["swapped"]) == ("s0, s1", "s2")
+    f = fields(stepper.view.value)
+    assert (f["phase"], f["batch"], f["preempted"], f["swapped out"]) == ("decode", "s0, s1", "s2", "s2")
+    assert (f["running"], f["swapped"]) == ("s0, s1", "s2")
 
     stepper = RoundStepper(PRESETS["seed_recompute"](), draw=False)
     stepper.slider.value = 3
-    q = fields(stepper.queues_html.value)
-    assert (q["waiting"], q["swapped"]) == ("s2", "—")
+    f = fields(stepper.view.value)
+    assert (f["waiting"], f["swapped"]) == ("s2", "—")
 
 
-def test_play_drives_the_slider():
-    records = PRESETS["orca_example"]()
-    stepper = RoundStepper(records, draw=False)
-    stepper.play.value = 4
-    assert stepper.slider.value == 4
-    assert_shows(stepper, records[3])
-
-
-def test_drawing_follows_every_round():
+def test_play_keeps_text_and_picture_on_one_round():
+    """Play drives the slider; at every value the text, the picture's alt and the picture itself
+    are those of one round (the picture is the one this round draws on its own)."""
     records = PRESETS["seed_swap"]()
     stepper = RoundStepper(records)
-    images = [bytes(stepper.image.value)]
-    for value in range(2, len(records) + 1):
+    for value in range(1, len(records) + 1):
+        stepper.play.value = value
+        assert stepper.slider.value == value
+        assert_shows(stepper, records[value - 1])
+        png, alt, _ = picture(stepper.view.value)
+        assert alt == f"round {value}"
+        assert png == stepper.png(value - 1)
+
+
+def test_drawing_follows_every_round_and_is_never_stretched():
+    records = PRESETS["seed_swap"]()
+    stepper = RoundStepper(records)
+    images = []
+    for value in range(1, len(records) + 1):
         stepper.slider.value = value
-        images.append(bytes(stepper.image.value))
-    assert all(img.startswith(PNG_MAGIC) for img in images)
-    # The drawing changes whenever what it draws changes (round 3 preempts, so 2 and 3 differ).
+        png, _, css_width = picture(stepper.view.value)
+        assert png.startswith(PNG_MAGIC)
+        # Rendered at PIXEL_RATIO x the size it is shown at: the browser only ever shrinks it.
+        assert css_width * PIXEL_RATIO == png_size(png)[0]
+        images.append(png)
+    # The drawing changes whenever what it draws changes (round 3 preempts, so 2 and 3 differ),
+    # and every step has the same size, so the page does not jump.
     assert images[1] != images[2]
+    assert len({png_size(p) for p in images}) == 1
     assert stepper.figure.axes[0].get_title(loc="left") == f"round {len(records)} · {records[-1].phase}"
 
 
@@ -131,10 +159,10 @@ def test_engine_records_show_the_produced_text():
     records = PRESETS["seed_swap"]()
     records[0] = dataclasses.replace(records[0], tokens={"s0": " Dustin", "s1": " bright"})
     stepper = RoundStepper(records, draw=False)
-    assert "Dustin" in fields(stepper.summary.value)["produced"]
-    assert "bright" in fields(stepper.summary.value)["produced"]
+    assert "Dustin" in fields(stepper.view.value)["produced"]
+    assert "bright" in fields(stepper.view.value)["produced"]
     stepper.next_button.click()
-    assert "produced" not in fields(stepper.summary.value)
+    assert "produced" not in fields(stepper.view.value)
 
 
 def test_ignored_requests_are_listed():
@@ -144,17 +172,27 @@ def test_ignored_requests_are_listed():
                            SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=4, max_model_len=32),
                            CacheConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=4, watermark=0.0))
     stepper = RoundStepper(records, draw=False)
-    assert fields(stepper.summary.value)["ignored"] == "long"
+    assert fields(stepper.view.value)["ignored"] == "long"
 
 
-def test_display_text_survives_stripped_widget_state():
+def test_saved_view_is_a_filmstrip_beside_the_widget():
     records = PRESETS["seed_swap"]()
-    stepper = RoundStepper(records, draw=False)
+    stepper = RoundStepper(records)
     bundle = stepper._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
+    still = base64.b64decode(bundle["image/png"])
+    assert still.startswith(PNG_MAGIC)
+    # Several rounds in one image: wider and taller than one round drawn at the same dpi.
+    keys = stepper.key_steps()
+    assert 3 <= len(keys) <= 9 and keys[0] == 0 and keys[-1] == len(records) - 1
+    assert [2, 7] == [k for k in keys if records[k].preempted]  # both preemptions of the story are in it
+    one = png_size(stepper.png(0, 64))
+    sheet = png_size(still)
+    assert sheet[0] > 2 * one[0] and sheet[1] > 2 * one[1]
     assert bundle["text/plain"].startswith(f"RoundStepper over {len(records)} rounds")
+    assert "round 3" in bundle["text/plain"]
 
 
 def test_empty_records_are_refused():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="records"):
         RoundStepper([])

@@ -27,6 +27,7 @@ from tinyserve.attention import reference
 from tinyserve.attention import triton_paged as tp
 from tinyserve.attention.backend import get_backend
 from tinyserve.attention.metadata import AttentionMetadata
+from tinyserve.attention.triton_backend import ROUTES, TritonBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUM_KV_HEADS = 2
@@ -78,15 +79,19 @@ def test_interpreter_is_used_exactly_when_there_is_no_cuda():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is chosen only without CUDA")
 def test_interpreter_works_when_triton_was_imported_first():
     # transformers imports torch._dynamo, which imports triton, before anyone sets
-    # TRITON_INTERPRET; the kernels must still run interpreted (tl.max, tl.zeros, ...).
+    # TRITON_INTERPRET: triton's own @jit helpers (tl.max, tl.sum, tl.zeros) are then compiled-mode
+    # functions. The kernels must still run interpreted, with nothing patched behind the scenes.
     code = (
         "import triton, torch\n"
+        "import triton.language as tl\n"
+        "assert isinstance(tl.max, triton.runtime.JITFunction)  # the stdlib stayed compiled-mode\n"
         "from tinyserve.attention import triton_paged as tp, reference as ref\n"
         "assert tp.INTERPRET\n"
         "k = torch.randn(4, 16, 1, 16); v = torch.randn_like(k); q = torch.randn(2, 2, 16)\n"
         "bt = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32); cl = torch.tensor([20, 7], dtype=torch.int32)\n"
         "out = tp.paged_decode_attention(q, k, v, bt, cl, 0.25, num_splits=2)\n"
         "torch.testing.assert_close(out, ref.paged_decode_attention(q, k, v, bt, cl, 0.25))\n"
+        "assert isinstance(tl.max, triton.runtime.JITFunction)  # and nobody rewrapped it\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -200,12 +205,14 @@ def _run_backend(backend, query_lens, context_lens, tables, k_new, v_new, q, k_c
     return backend.forward(q, k_cache, v_cache, meta, 0.125)
 
 
-@pytest.mark.parametrize("query_lens,context_lens", [
-    ([5, 3, 17], [5, 3, 17]),    # plain prefill: torch SDPA over the new tokens
-    ([1, 1, 1], [6, 4, 18]),     # decode: the Triton kernel
-    ([1, 4], [10, 9]),           # decode mixed with a prefill over a cached prefix: the reference
-], ids=["prefill", "decode", "mixed"])
-def test_backend_forward_matches_torch_backend(query_lens, context_lens):
+@pytest.mark.parametrize("query_lens,context_lens,route", [
+    ([5, 3, 17], [5, 3, 17], "prefill-sdpa"),    # plain prefill: torch SDPA over the new tokens
+    ([1, 1, 1], [6, 4, 18], "decode-kernel"),    # decode: the Triton kernel
+    ([1, 4], [10, 9], "torch-batched"),          # decode mixed with a prefill over a cached prefix
+    ([6, 1], [6, 7], "torch-batched"),           # a plain prefill mixed with a decode (orca)
+    ([4], [12], "torch-batched"),                # a later chunk of a chunked prefill
+], ids=["prefill", "decode", "prefix+decode", "prefill+decode", "chunk"])
+def test_backend_forward_matches_torch_backend(query_lens, context_lens, route, caplog):
     block_size, num_kv_heads, group, head_dim = 4, 3, 3, 64  # SmolLM2's heads
     gen = torch.Generator().manual_seed(5)
     tables, next_block = [], 1  # block 0 stays unused, so padded tables point at poison
@@ -223,11 +230,16 @@ def test_backend_forward_matches_torch_backend(query_lens, context_lens):
     caches = {}
     for name in ("torch", "triton"):
         k_cache, v_cache = prefix.clone().to(DEVICE), (prefix * -0.5).to(DEVICE)
-        backend = get_backend(name, DEVICE) if name == "torch" else tp.TritonBackend()
+        backend = get_backend(name, DEVICE) if name == "torch" else TritonBackend()
         assert backend.name == name
-        out = _run_backend(backend, query_lens, context_lens, tables, k_new, v_new, q, k_cache, v_cache,
-                           block_size)
+        with caplog.at_level("INFO", logger="tinyserve.attention"):
+            out = _run_backend(backend, query_lens, context_lens, tables, k_new, v_new, q, k_cache, v_cache,
+                               block_size)
         caches[name] = (out, k_cache, v_cache)
+    # The route taken is recorded, and a PyTorch route is said in the log, with its reason.
+    assert dict(backend.route_counts) == {route: 1}
+    logged = [r.getMessage() for r in caplog.records if r.name == "tinyserve.attention"]
+    assert logged == ([] if route == "decode-kernel" else [f"triton backend: {ROUTES[route]}"])
     out_torch, k_torch, v_torch = caches["torch"]
     out_triton, k_triton, v_triton = caches["triton"]
     assert torch.equal(k_triton, k_torch) and torch.equal(v_triton, v_torch)
@@ -236,7 +248,20 @@ def test_backend_forward_matches_torch_backend(query_lens, context_lens):
 
 
 def test_get_backend_triton():
-    assert isinstance(get_backend("triton", DEVICE), tp.TritonBackend)
+    assert isinstance(get_backend("triton", DEVICE), TritonBackend)
+    assert isinstance(get_backend("auto", "cuda"), TritonBackend)
+
+
+def test_a_fallback_is_logged_once_per_backend(caplog):
+    backend = TritonBackend()
+    meta = AttentionMetadata.build([4], [12], [[2, 0, 1]], [8, 9, 10, 11], device=DEVICE)
+    k_cache = torch.randn(3, 4, 1, 16, device=DEVICE)
+    q = torch.randn(4, 2, 16, device=DEVICE)
+    with caplog.at_level("INFO", logger="tinyserve.attention"):
+        for _ in range(3):  # three layers of one forward pass
+            backend.forward(q, k_cache, k_cache, meta, 0.25)
+    assert backend.route_counts["torch-batched"] == 3
+    assert len([r for r in caplog.records if r.name == "tinyserve.attention"]) == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode is the interpreter's")

@@ -14,6 +14,7 @@ from tinyserve import presets, sim  # noqa: E402
 from tinyserve.block import Device  # noqa: E402
 from tinyserve.cache_engine import CacheEngine  # noqa: E402
 from tinyserve.config import CacheConfig  # noqa: E402
+from tinyserve.lab import cache_sizing, marked_cache, paged_run  # noqa: E402
 from tinyserve.viz import attention, cache  # noqa: E402
 from tinyserve.viz.figures import REGISTRY  # noqa: E402
 
@@ -36,8 +37,8 @@ def test_marks_round_trip_through_a_real_cache():
     tables = {0: [5, 1], 4: [2, 7]}
     lens = {0: 6, 4: 4}
     for owner, table in tables.items():
-        cache.write_marked(engine, owner, table, 0, lens[owner])
-    marks = cache.read_marks(engine.gpu_cache[0][0])
+        marked_cache.write_marked(engine, owner, table, 0, lens[owner])
+    marks = marked_cache.read_marks(engine.gpu_cache[0][0])
     for owner, table in tables.items():
         for p in range(lens[owner]):
             assert marks[table[p // 3]][p % 3] == (owner, p)
@@ -52,7 +53,7 @@ def test_marks_round_trip_through_a_real_cache():
 
 @pytest.fixture(scope="module")
 def seed_frames():
-    return cache.seed_cache_rounds(18)
+    return marked_cache.seed_cache_rounds(18)
 
 
 def test_seed_frames_follow_the_simulator(seed_frames):
@@ -82,8 +83,8 @@ def test_every_live_slot_holds_its_owners_token_after_every_round(seed_frames):
 
 
 def test_swap_round_trip_on_marked_tensors_is_bit_for_bit():
-    sched, engine = cache.seed_scheduler(), cache.seed_engine()
-    worker = cache.MarkingWorker(engine)
+    sched, engine = marked_cache.seed_scheduler(), marked_cache.seed_cache_engine()
+    worker = marked_cache.MarkingWorker(engine)
     saved = None
     for n in range(1, 13):
         metas, out = sched.schedule()
@@ -93,7 +94,7 @@ def test_swap_round_trip_on_marked_tensors_is_bit_for_bit():
             for (k, v), (k0, v0) in zip(engine.gpu_cache, saved):
                 assert torch.equal(k[gpu_block], k0) and torch.equal(v[gpu_block], v0)
         worker.write(metas)
-        cache.finish_round(sched, metas)
+        marked_cache.finish_round(sched, out)
         if n == 2:
             saved = [(k[2].clone(), v[2].clone()) for k, v in engine.gpu_cache]
     assert saved is not None
@@ -121,11 +122,11 @@ def test_swap_figure_is_registered_and_draws_four_rounds(seed_frames):
 
 
 def test_copy_on_write_story_copies_the_shared_block_before_the_writes():
-    story = cache.copy_on_write_story(block_size=4, prompt_len=6)
+    story = marked_cache.copy_on_write_story(block_size=4, prompt_len=6)
     assert story.appended == {"r.0": (1, 2), "r.1": None} and story.copies == {1: [2]}
     assert story.before.gpu_tables == {"r.0": [0, 1], "r.1": [0, 1]}
     assert story.after.gpu_tables == {"r.0": [0, 2], "r.1": [0, 1]}
-    marks = cache.read_marks(story.engine.gpu_cache[0][0])
+    marks = marked_cache.read_marks(story.engine.gpu_cache[0][0])
     # Both samples read the whole prompt (owner 0) and then their own token (owners 1 and 2).
     for owner, table in ((1, [0, 2]), (2, [0, 1])):
         seen = [marks[table[p // 4]][p % 4] for p in range(7)]
@@ -152,7 +153,7 @@ def test_memory_budget_figure_splits_the_device():
 
 def test_pretend_gpu_runs_the_cuda_sizing_rule():
     total, free = 24 * 2**30, 20 * 2**30
-    with cache.pretend_gpu(total, free):
+    with cache_sizing.pretend_gpu(total, free):
         got = CacheEngine.profile_num_gpu_blocks(16, 30, 3, 64, torch.bfloat16, 0.8, 2**30)
     assert got == (int(total * 0.8) - (total - free) - 2**30) // (16 * 23_040)
     if not torch.cuda.is_available():
@@ -161,7 +162,7 @@ def test_pretend_gpu_runs_the_cuda_sizing_rule():
 
 
 def test_block_bytes_rows():
-    rows = cache.block_bytes_rows({"smol": (30, 3, 64), "7b": (32, 32, 128)}, (torch.float32, torch.bfloat16))
+    rows = cache_sizing.block_bytes_rows({"smol": (30, 3, 64), "7b": (32, 32, 128)}, (torch.float32, torch.bfloat16))
     got = {(r["model"], r["dtype"]): r["block_bytes"] for r in rows}
     assert got[("smol", "bfloat16")] == 16 * 23_040
     assert got[("7b", "float32")] == 16 * 2 * 32 * 32 * 128 * 4
@@ -172,24 +173,25 @@ def test_block_bytes_rows():
 
 
 def test_split_x_sizes():
-    assert [cache.split_x(d) for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8)] == [4, 8, 8, 16]
+    dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
+    assert [cache_sizing.split_x(d) for d in dtypes] == [4, 8, 8, 16]
 
 
 @pytest.mark.parametrize("shape,x", [((3, 4, 2, 8), 4), ((2, 16, 3, 64), 8), ((1, 1, 1, 16), 16)])
 def test_split_x_offsets_match_the_rearranged_tensor(shape, x):
     nb, bs, heads, head_dim = shape
     keys = torch.randn(shape)
-    split = cache.to_split_x(keys, x)
+    split = cache_sizing.to_split_x(keys, x)
     assert split.shape == (nb, heads, head_dim // x, bs, x) and split.is_contiguous()
-    assert torch.equal(cache.from_split_x(split), keys)
+    assert torch.equal(cache_sizing.from_split_x(split), keys)
     flat, flat_split = keys.flatten(), split.flatten()
     seen = set()
     for b in range(nb):
         for t in range(bs):
             for h in range(heads):
                 for d in range(head_dim):
-                    p = cache.plain_offset(b, t, h, d, bs, heads, head_dim)
-                    s = cache.split_x_offset(b, t, h, d, bs, heads, head_dim, x)
+                    p = cache_sizing.plain_offset(b, t, h, d, bs, heads, head_dim)
+                    s = cache_sizing.split_x_offset(b, t, h, d, bs, heads, head_dim, x)
                     assert flat[p] == keys[b, t, h, d] == flat_split[s]
                     seen.add(s)
     assert seen == set(range(keys.numel()))
@@ -197,7 +199,7 @@ def test_split_x_offsets_match_the_rearranged_tensor(shape, x):
 
 def test_split_x_needs_a_whole_number_of_pieces():
     with pytest.raises(ValueError, match="multiple"):
-        cache.to_split_x(torch.zeros(1, 2, 1, 6), 4)
+        cache_sizing.to_split_x(torch.zeros(1, 2, 1, 6), 4)
 
 
 def test_split_x_drawing_outlines_one_run_against_scattered_runs():
@@ -220,7 +222,7 @@ def test_split_x_drawing_outlines_one_run_against_scattered_runs():
 @pytest.fixture(scope="module")
 def tiny_run(tiny_loaded):
     torch.manual_seed(0)
-    run = attention.PagedRun(tiny_loaded.model, block_size=3, num_blocks=12)
+    run = paged_run.PagedRun(tiny_loaded.model, block_size=3, num_blocks=12)
     # Not the pad token (id 2): its embedding is all zeros, and so would its K/V be.
     prompts = {"s0": [5, 9, 13, 3, 7], "s1": [4, 4, 8], "s2": [30, 31]}
     logits = {}
@@ -270,7 +272,7 @@ def test_paged_run_logits_match_transformers(tiny_run, tiny_model_dir):
 
 
 def test_prepare_builds_the_metadata_by_hand(tiny_loaded):
-    run = attention.PagedRun(tiny_loaded.model, block_size=4, num_blocks=8)
+    run = paged_run.PagedRun(tiny_loaded.model, block_size=4, num_blocks=8)
     ids, positions, meta = run.prepare({"a": [1, 2, 3, 4, 5], "b": [6, 7]})
     assert ids.tolist() == [1, 2, 3, 4, 5, 6, 7] and positions.tolist() == [0, 1, 2, 3, 4, 0, 1]
     assert meta.slot_mapping.tolist() == [0, 1, 2, 3, 4, 8, 9]
@@ -312,7 +314,7 @@ def test_token_label():
 
 def test_show_points_a_decorated_method_at_its_own_file():
     """Chapter 06 shows Worker.execute_model, which torch.inference_mode wraps."""
-    from tinyserve.viz import show
+    from tinyserve.viz.source import show
     from tinyserve.worker import Worker
 
     view = show(Worker.execute_model)

@@ -18,11 +18,15 @@ import torch  # noqa: E402
 from matplotlib.patches import FancyArrowPatch  # noqa: E402
 
 from tinyserve import presets, sim  # noqa: E402
+from tinyserve.lab import tracing  # noqa: E402
 from tinyserve.model_runner import prepare_inputs  # noqa: E402
 from tinyserve.scheduler import Scheduler  # noqa: E402
 from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceGroupMetadata  # noqa: E402
+from tinyserve.viz import (
+    architecture,  # noqa: E402
+    figures,  # noqa: E402
+)
 from tinyserve.viz import engine as ev  # noqa: E402
-from tinyserve.viz import figures  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +56,7 @@ def seed_scheduler() -> tuple[Scheduler, presets.Preset]:
 # -- the architecture ---------------------------------------------------------------------------
 
 def test_architecture_has_both_halves_and_one_steps_arrows():
-    fig = ev.draw_architecture()
+    fig = architecture.draw_architecture()
     ax = fig.axes[0]
     names = all_gids(ax)
     for part in ("LLMEngine", "Scheduler", "Worker", "BlockSpaceManager", "CacheEngine", "Sampler", "model",
@@ -69,7 +73,7 @@ def test_architecture_has_both_halves_and_one_steps_arrows():
 
 
 def test_chapter_map_badges_every_chapter_but_the_overview():
-    ax = ev.draw_architecture(chapters=True).axes[0]
+    ax = architecture.draw_architecture(chapters=True).axes[0]
     badges = {n.split(":")[1] for n in all_gids(ax) if n.startswith("badge:")}
     assert badges == {f"{i:02d}" for i in range(1, 13)}
 
@@ -79,7 +83,7 @@ def test_chapter_map_badges_every_chapter_but_the_overview():
 def test_peek_schedules_a_copy_and_leaves_the_engine_alone():
     s, p = seed_scheduler()
     engine = SimpleNamespace(scheduler=s, cache_config=p.cache_config)
-    metas, out, inputs = ev.peek(engine)
+    metas, out, inputs = tracing.peek(engine)
     assert [m.request_id for m in metas] == ["s0", "s1"] and out.phase == "prefill"
     # Nothing moved: all three still wait, every block is free.
     assert [g.request_id for g in s.waiting] == ["s0", "s1", "s2"]
@@ -98,7 +102,7 @@ def test_sequence_names_suffix_groups_with_several_sequences():
     seqs = {7: Sequence(7, None, [1, 2], 4), 9: Sequence(9, None, [1, 2], 4)}
     metas = [SequenceGroupMetadata("a", False, {3: Sequence(3, None, [1], 4)}, SamplingParams(), {3: [0]}),
              SequenceGroupMetadata("b", False, seqs, SamplingParams(), {7: [1], 9: [2]})]
-    assert ev.sequence_names(metas) == ["a", "b.0", "b.1"]
+    assert tracing.sequence_names(metas) == ["a", "b.0", "b.1"]
 
 
 class FakeTokenizer:
@@ -191,8 +195,8 @@ def test_token_timeline_writes_each_produced_token_in_its_cell():
 def test_step_times_stack_the_four_parts_in_milliseconds():
     times = [(0.001, 0.2, 0.01, 0.002), (0.0005, 0.05, 0.004, 0.001)]
     records = seed_records()[:2]
-    ax = ev.draw_step_times(times, records).axes[0]
-    for k, (name, _) in enumerate(ev.TIME_PARTS):
+    ax = ev.draw_engine_step_times(times, records).axes[0]
+    for k, name in enumerate(ev.TIME_PARTS):
         bars = [p for p in ax.patches if p.get_gid() == f"time:{name}"]
         assert [b.get_height() for b in bars] == pytest.approx([1e3 * t[k] for t in times])
     tops = [sum(1e3 * x for x in t) for t in times]
@@ -204,13 +208,13 @@ def test_rename_requests_renames_every_field_and_keeps_sample_suffixes():
     records = seed_records()
     records[0] = dataclasses.replace(records[0], tokens={"s0": "x", "s2.1": "y"})
     names = {"s0": "gen-0", "s1": "gen-1", "s2": "gen-2"}
-    renamed = ev.rename_requests(records, names)
+    renamed = tracing.rename_requests(records, names)
     assert records[0].batch == ["s0", "s1"]  # the originals are untouched
     assert renamed[0].batch == ["gen-0", "gen-1"] and renamed[0].waiting == ["gen-2"]
     assert renamed[0].tokens == {"gen-0": "x", "gen-2.1": "y"}
     assert renamed[2].preempted == ["gen-2"] and renamed[2].cpu_block_tables == {"gen-2": [0]}
     assert renamed[2].block_tables == {"gen-0": records[2].block_tables["s0"], "gen-1": records[2].block_tables["s1"]}
-    back = ev.rename_requests(renamed, {v: k for k, v in names.items()})
+    back = tracing.rename_requests(renamed, {v: k for k, v in names.items()})
     assert back == records
 
 
@@ -219,7 +223,7 @@ def test_rename_requests_renames_every_field_and_keeps_sample_suffixes():
 def test_seed_run_on_the_tiny_model(tiny_loaded, monkeypatch, tmp_path):
     # The tiny model has its own tokenizer: give it prompts of the story's 5, 5 and 3 tokens.
     ids = {"s0": [30, 31, 32, 33, 34], "s1": [40, 41, 42, 43, 44], "s2": [50, 51, 52]}
-    run = ev.seed_run(tiny_loaded, prompt_token_ids=ids)
+    run = tracing.seed_run(tiny_loaded, prompt_token_ids=ids)
     engine, calls = run.engine, run.engine.executor.calls
     # One call per round (no round of this run is empty), with the orders the scheduler gave.
     assert len(calls) == len(engine.history) == 18
@@ -249,7 +253,7 @@ def test_seed_run_on_the_tiny_model(tiny_loaded, monkeypatch, tmp_path):
     assert [(r.batch, r.block_tables) for r in engine.history] == [(r.batch, r.block_tables) for r in simulated]
 
     # The registered chapter 09 figures draw from this run when no model is given.
-    monkeypatch.setattr(ev, "_default_loaded", lambda: tiny_loaded)
+    monkeypatch.setattr(tracing, "_default_loaded", lambda: tiny_loaded)
     figures._load_all()
     for name in ("09_packed_inputs", "09_sampling", "09_seed_rounds", "09_step_times"):
         path = figures.save(figures.REGISTRY[name](), name, tmp_path)
@@ -261,7 +265,7 @@ def test_tracing_worker_records_copy_on_write(tiny_loaded):
     from tinyserve.engine import LLMEngine
 
     config = ModelConfig(model=str(tiny_loaded.path), device="cpu", dtype="float32")
-    worker = ev.TracingWorker(config, loaded=tiny_loaded)
+    worker = tracing.TracingWorker(config, loaded=tiny_loaded)
     engine = LLMEngine(config, CacheConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=4, watermark=0.0),
                        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64), executor=worker,
                        record_history=True)

@@ -14,8 +14,9 @@ import pytest  # noqa: E402
 from tinyserve import presets, sim  # noqa: E402
 from tinyserve.block import BlockAllocator, Device  # noqa: E402
 from tinyserve.block_manager import BlockSpaceManager  # noqa: E402
+from tinyserve.lab import block_snapshot, block_stories, kv_memory  # noqa: E402
 from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus  # noqa: E402
-from tinyserve.viz import blocks, kv_cache  # noqa: E402
+from tinyserve.viz import blocks, kv_cache, slots  # noqa: E402
 from tinyserve.viz.figures import REGISTRY  # noqa: E402
 
 
@@ -42,17 +43,17 @@ def text_of(ax, gid: str) -> str:
 
 
 def test_kv_bytes_per_token_of_the_book_models():
-    s, llama = kv_cache.MODELS["SmolLM2-135M"], kv_cache.MODELS["Llama-2-7B"]
-    assert kv_cache.kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, 2) == 23_040  # 22.5 KiB
-    assert kv_cache.kv_bytes_per_token(llama.num_layers, llama.num_kv_heads, llama.head_dim, 2) == 512 * 1024
-    rows = {(r["model"], r["dtype"]): r for r in kv_cache.kv_table(context=2048)}
+    s, llama = kv_memory.MODELS["SmolLM2-135M"], kv_memory.MODELS["Llama-2-7B"]
+    assert kv_memory.kv_bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, 2) == 23_040  # 22.5 KiB
+    assert kv_memory.kv_bytes_per_token(llama.num_layers, llama.num_kv_heads, llama.head_dim, 2) == 512 * 1024
+    rows = {(r["model"], r["dtype"]): r for r in kv_memory.kv_table(context=2048)}
     assert rows[("Llama-2-7B", "float16")]["MiB_per_seq"] == 1024
     assert rows[("SmolLM2-135M", "float32")]["bytes_per_token"] == 2 * 23_040
 
 
 def test_first_fit_arena_places_runs_at_the_lowest_hole_that_fits():
     rng = random.Random(1)
-    arena = kv_cache.FirstFitArena(64)
+    arena = kv_memory.FirstFitArena(64)
     taken = [False] * 64
     for step in range(500):
         if arena.runs and rng.random() < 0.45:
@@ -74,8 +75,8 @@ def test_first_fit_arena_places_runs_at_the_lowest_hole_that_fits():
 
 @pytest.fixture(scope="module")
 def fragmentation():
-    reqs = kv_cache.random_workload(num_requests=60, max_model_len=256, seed=3, arrival_rate=1.0)
-    return reqs, kv_cache.measure_fragmentation(reqs, arena_slots=1024, max_model_len=256, block_size=16)
+    reqs = kv_memory.fragmentation_workload(num_requests=60, max_model_len=256, seed=3, arrival_rate=1.0)
+    return reqs, kv_memory.measure_fragmentation(reqs, arena_slots=1024, max_model_len=256, block_size=16)
 
 
 def test_fragmentation_accounts_for_every_slot_at_every_step(fragmentation):
@@ -174,17 +175,17 @@ def test_draw_block_tables_shows_every_block_arrow_and_ref_count():
 def test_snapshot_is_detached_and_shows_copy_on_write_and_swap():
     bm, ga, gb, a, child, b = live_manager()
     seqs = {"A.0": a, "A.1": child, "B": b}
-    before = blocks.snapshot(bm, seqs, "before")
+    before = block_snapshot.snapshot(bm, seqs, "before")
     a.append_token_id(7)
     child.append_token_id(8)
     cow = bm.append_slot(a)
     assert cow is not None
-    after = blocks.snapshot(bm, seqs, "after")
+    after = block_snapshot.snapshot(bm, seqs, "after")
     assert before.seqs[0].table != after.seqs[0].table  # the copy got a new block
     assert after.seqs[0].table[-1] == ("GPU", cow[1])
     assert before.ref_counts["GPU"][cow[0]] == 2 and after.ref_counts["GPU"][cow[0]] == 1
     mapping = bm.swap_out(ga)
-    swapped = blocks.snapshot(bm, seqs, "swapped", note=f"{mapping}")
+    swapped = block_snapshot.snapshot(bm, seqs, "swapped", note=f"{mapping}")
     assert {dev for s in swapped.seqs[:2] for dev, _ in s.table} == {"CPU"}
     fig = blocks.draw_block_table_history([before, after, swapped])
     assert [ax.get_title(loc="left") for ax in fig.axes] == ["before", "after", "swapped"]
@@ -194,7 +195,7 @@ def test_snapshot_is_detached_and_shows_copy_on_write_and_swap():
 
 
 def test_history_in_columns_and_the_registered_figures():
-    fig = blocks.draw_block_table_history(blocks.block_manager_story(), ncols=2)
+    fig = blocks.draw_block_table_history(block_stories.block_manager_story(), ncols=2)
     assert sum(1 for ax in fig.axes if ax.get_title(loc="left")) == 6
     for name in ("01_fragmentation", "01_kv_sizes", "03_block_table_history"):
         assert isinstance(REGISTRY[name](), plt.Figure)
@@ -234,10 +235,10 @@ def test_draw_pool_from_round_records():
 
 
 def test_draw_slots_puts_every_token_in_its_slot():
-    alloc, live = blocks.seed_tables_example()
+    alloc, live = block_stories.seed_tables_example()
     tables = {k: [b.block_number for b in t] for k, (_, t) in live.items()}
     lens = {k: s.get_len() for k, (s, _) in live.items()}
-    ax = blocks.draw_slots(tables, lens, alloc.num_blocks, alloc.block_size)
+    ax = slots.draw_slots(tables, lens, alloc.num_blocks, alloc.block_size)
     assert len(by_gid(ax, "slot:")) == alloc.num_blocks * alloc.block_size
     assert len(by_gid(ax, "token:")) == sum(lens.values())
     for name, table in tables.items():
@@ -249,11 +250,11 @@ def test_draw_slots_puts_every_token_in_its_slot():
             x, y = token.get_position()
             assert cell.contains_point(ax.transData.transform((x, y)))
     with pytest.raises(ValueError, match="holds only"):
-        blocks.draw_slots({"s0": [0]}, {"s0": 5}, 4, 4)
+        slots.draw_slots({"s0": [0]}, {"s0": 5}, 4, 4)
 
 
 def test_chapter_two_example_scatters_tables_and_reuses_freed_blocks():
-    alloc, live = blocks.seed_tables_example()
+    alloc, live = block_stories.seed_tables_example()
     assert set(live) == {"s0", "s2"}  # s1 finished and gave its blocks back
     assert [b.block_number for b in live["s0"][1]] == [0, 1, 6, 2]
     assert alloc.get_num_free_blocks() == 8 - sum(len(t) for _, t in live.values())

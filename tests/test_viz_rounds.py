@@ -11,7 +11,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from tinyserve import presets, sim  # noqa: E402
-from tinyserve.viz import figures, rounds  # noqa: E402
+from tinyserve.lab.batching import preemption_sweep, random_requests, static_batching  # noqa: E402
+from tinyserve.lab.records import finish_rounds, idle_slots, recomputed_tokens, request_states  # noqa: E402
+from tinyserve.viz import figures, rounds, style  # noqa: E402
 
 
 def run(preset):
@@ -25,7 +27,7 @@ def close_figures():
 
 
 def test_states_of_the_seed_rounds_under_swap():
-    states = rounds.request_states(run(presets.seed_rounds("swap")))
+    states = request_states(run(presets.seed_rounds("swap")))
     assert states[0] == {"s0": "prefill", "s1": "prefill", "s2": "waiting"}
     # Round 2 prefills s2 alone; s0 and s1 hold their blocks but compute nothing.
     assert states[1] == {"s0": "idle", "s1": "idle", "s2": "prefill"}
@@ -34,70 +36,70 @@ def test_states_of_the_seed_rounds_under_swap():
 
 
 def test_states_of_the_seed_rounds_under_recompute():
-    states = rounds.request_states(run(presets.seed_rounds("recompute")))
+    states = request_states(run(presets.seed_rounds("recompute")))
     assert states[2]["s2"] == "preempted"
     assert states[3]["s2"] == "waiting"  # back in waiting, not swapped
 
 
 def test_mixed_rounds_tell_prefill_from_decode():
-    states = rounds.request_states(run(presets.orca_example("orca")))
+    states = request_states(run(presets.orca_example("orca")))
     assert states[1] == {"A": "decode", "B": "decode", "C": "decode", "D": "prefill"}
     assert states[2] == {"A": "decode", "B": "decode", "C": "decode", "D": "decode", "E": "prefill"}
 
 
 def test_finish_rounds_of_a_to_e():
     # Orca: C is prefilled in round 1 (its first token) and needs 4 more rounds.
-    assert rounds.finish_rounds(run(presets.orca_example("orca"))) == {"C": 5, "D": 9, "A": 10, "E": 14, "B": 15}
+    assert finish_rounds(run(presets.orca_example("orca"))) == {"C": 5, "D": 9, "A": 10, "E": 14, "B": 15}
     # vLLM: the prefill-only rounds 2 and 3 pause A, B, C, so each of them ends 2 rounds later.
-    vllm = rounds.finish_rounds(run(presets.orca_example("vllm")))
+    vllm = finish_rounds(run(presets.orca_example("vllm")))
     assert (vllm["A"], vllm["B"], vllm["C"]) == (12, 17, 7)
 
 
 def test_static_batching_of_a_to_e():
-    records = rounds.static_batching(presets.orca_example().requests, max_batch_size=5)
+    records = static_batching(presets.orca_example().requests, max_batch_size=5)
     # Batch 1 = A, B, C (rounds 1-15, as long as B); batch 2 = D, E (rounds 16-27, as long as E).
-    assert rounds.finish_rounds(records) == {"C": 5, "A": 10, "B": 15, "D": 23, "E": 27}
+    assert finish_rounds(records) == {"C": 5, "A": 10, "B": 15, "D": 23, "E": 27}
     assert [r.phase for r in records].count("prefill") == 2
     assert records[15].batch == ["D", "E"]
     # Idle slot-rounds: A 11-15, C 6-15, D 24-27.
-    assert rounds.idle_slots(records) == 5 + 10 + 4
+    assert idle_slots(records) == 5 + 10 + 4
     with pytest.raises(ValueError):
-        rounds.static_batching([], 0)
+        static_batching([], 0)
 
 
 def test_static_batching_respects_the_batch_size_and_gaps():
     reqs = [sim.Request("a", 2, 3, 1), sim.Request("b", 2, 1, 1), sim.Request("c", 2, 2, 6)]
-    records = rounds.static_batching(reqs, max_batch_size=1)
+    records = static_batching(reqs, max_batch_size=1)
     # a runs 1-3, b runs 4, nothing arrives in round 5, c runs 6-7.
     assert [r.batch for r in records] == [["a"], ["a"], ["a"], ["b"], [], ["c"], ["c"]]
     assert records[4].phase == "idle"
 
 
 def test_no_idle_slots_under_orca_and_some_under_vllm():
-    assert rounds.idle_slots(run(presets.orca_example("orca"))) == 0
+    assert idle_slots(run(presets.orca_example("orca"))) == 0
     # Rounds 2 and 3 prefill D and E alone: A, B, C idle twice, D once.
-    assert rounds.idle_slots(run(presets.orca_example("vllm"))) == 3 + 4
+    assert idle_slots(run(presets.orca_example("vllm"))) == 3 + 4
 
 
 def test_recomputed_tokens():
-    assert rounds.recomputed_tokens(run(presets.orca_example("orca")), presets.orca_example().requests) == 0
+    assert recomputed_tokens(run(presets.orca_example("orca")), presets.orca_example().requests) == 0
     p = presets.seed_rounds("recompute")
     records = run(p)
     # Every prefill after the first one of a request recomputes its prompt and what it produced so far.
     again = [(r.round, rid, r.chunk_sizes[rid]) for r in records for rid in r.batch
              if r.phase == "prefill" and r.round > 2]
-    assert again and rounds.recomputed_tokens(records, p.requests) == sum(n for *_, n in again)
-    assert rounds.recomputed_tokens(run(presets.seed_rounds("swap")), p.requests) == 0
+    assert again and recomputed_tokens(records, p.requests) == sum(n for *_, n in again)
+    assert recomputed_tokens(run(presets.seed_rounds("swap")), p.requests) == 0
 
 
 def test_timeline_draws_one_cell_per_present_request():
     records = run(presets.seed_rounds("swap"))
     fig = rounds.draw_timeline(records, legend=False)
     cells = [p for p in fig.axes[0].patches]
-    assert len(cells) == sum(len(s) for s in rounds.request_states(records))
+    assert len(cells) == sum(len(s) for s in request_states(records))
     texts = [t.get_text() for t in fig.axes[0].texts]
-    assert texts.count(rounds.FINISH_MARK) == 3
-    assert texts.count(rounds.SWAP_IN_MARK) == 2
+    assert texts.count(style.FINISH_MARK) == 3
+    assert texts.count(style.SWAP_IN_MARK) == 2
 
 
 def test_round_drawing_shows_queues_and_block_tables():
@@ -118,8 +120,8 @@ def test_round_drawing_shows_queues_and_block_tables():
 
 
 def test_sweep_shows_the_watermark_cuts_preemptions():
-    reqs = rounds.random_workload()
-    results = rounds.preemption_sweep(reqs, gpu_blocks=[24, 40, 56], watermarks=[0.0, 0.2])
+    reqs = random_requests()
+    results = preemption_sweep(reqs, gpu_blocks=[24, 40, 56], watermarks=[0.0, 0.2])
     total = {wm: sum(row["preemptions"] for row in rows) for wm, rows in results.items()}
     assert total[0.2] < total[0.0]
     assert all(row["ignored"] == 0 for rows in results.values() for row in rows)

@@ -14,7 +14,11 @@ __all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):
-    if name in ("LLM", "LLMEngine", "RequestOutput", "CompletionOutput"):
+    if name == "LLM":
+        from tinyserve.llm import LLM
+
+        return LLM
+    if name in ("LLMEngine", "RequestOutput", "CompletionOutput"):
         from tinyserve import engine
 
         return getattr(engine, name)

@@ -1,8 +1,8 @@
 """Physical memory, cut into blocks: the allocator that hands them out and takes them back.
 
 A physical block holds the K/V of ``block_size`` tokens in every layer. Several sequences may
-share one (a forked sample, a cached prefix), so each block counts its owners; it returns to the
-free list when the last one lets go.
+share one (a forked sample shares its parent's), so each block counts its owners; it returns to
+the free list when the last one lets go.
 """
 
 from __future__ import annotations
@@ -28,11 +28,6 @@ class PhysicalTokenBlock:
         self.block_number = block_number
         self.block_size = block_size
         self.ref_count = 0
-        # Prefix caching: the hash of the tokens this block holds, chained with its prefix.
-        self.block_hash: int | None = None
-        self.num_hashed_tokens = 0
-        self.computed = False
-        self.last_accessed = 0.0
 
     def __repr__(self) -> str:
         return (f"PhysicalTokenBlock(device={self.device.name}, block_number={self.block_number}, "
@@ -42,27 +37,19 @@ class PhysicalTokenBlock:
 class BlockAllocator:
     """Hands out the blocks of one device's pool from a free list and tracks ref counts.
 
-    ``order`` says which free block goes out next. ``"fifo"`` (tinyserve's default): the one
-    that has been free longest, so recently used memory is reused last; it makes block tables
-    in the book easier to follow, and costs nothing. ``"lifo"``: the one freed last, the stack
-    of vLLM v0.4's ``UncachedBlockAllocator`` (which also starts from the highest number).
+    The free list is a queue: the block that has been free longest goes out next, so recently
+    used memory is reused last and the block tables in the book are easy to follow.
     """
 
-    ORDERS = ("fifo", "lifo")
-
-    def __init__(self, device: Device, block_size: int, num_blocks: int, order: str = "fifo") -> None:
+    def __init__(self, device: Device, block_size: int, num_blocks: int) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if order not in self.ORDERS:
-            raise ValueError(f"order must be one of {self.ORDERS}, got {order!r}")
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.order = order
         self.blocks = [PhysicalTokenBlock(device, i, block_size) for i in range(num_blocks)]
-        # A freed block always goes to the back; allocate takes from the front (FIFO) or back (LIFO).
         self.free_blocks: deque[PhysicalTokenBlock] = deque(self.blocks)
 
     def allocate(self) -> PhysicalTokenBlock:
@@ -71,7 +58,7 @@ class BlockAllocator:
                 f"out of {self.device.name} blocks: all {self.num_blocks} blocks of {self.block_size} "
                 "tokens are in use"
             )
-        block = self.free_blocks.pop() if self.order == "lifo" else self.free_blocks.popleft()
+        block = self.free_blocks.popleft()
         block.ref_count = 1
         return block
 

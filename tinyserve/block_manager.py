@@ -9,12 +9,15 @@ CacheEngine moves the actual bytes, following the maps returned here.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 from tinyserve.block import BlockAllocator, Device, OutOfBlocksError, PhysicalTokenBlock
-from tinyserve.prefix_cache import CachedBlockAllocator, prefix_hashes
+from tinyserve.config import CacheConfig
 from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BlockTable = list[PhysicalTokenBlock]
+# Builds one device's pool: allocator(device, block_size, num_blocks) -> a BlockAllocator-like object.
+AllocatorFactory = Callable[[Device, int, int], BlockAllocator]
 
 
 class AllocStatus(enum.Enum):
@@ -26,14 +29,20 @@ class AllocStatus(enum.Enum):
 
 
 class BlockSpaceManager:
-    """Maps each sequence's logical blocks to physical blocks on the GPU or in CPU swap space."""
+    """Maps each sequence's logical blocks to physical blocks on the GPU or in CPU swap space.
 
-    free_list_order = "fifo"  # which free block the allocators hand out next (see BlockAllocator)
+    ``allocator`` builds each device's pool, ``allocator(device, block_size, num_blocks)``; any
+    object with the BlockAllocator interface will do (``allocate``, ``free``,
+    ``get_num_free_blocks``, ``num_blocks``). The default is ``BlockAllocator``.
+    """
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 watermark: float = 0.01, enable_prefix_caching: bool = False) -> None:
+                 watermark: float = 0.01, *, allocator: AllocatorFactory | None = None) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        if allocator is not None and not callable(allocator):
+            raise ValueError(f"allocator must be a factory allocator(device, block_size, num_blocks), "
+                             f"got {allocator!r}")
         self.block_size = block_size
         self.num_total_gpu_blocks = num_gpu_blocks
         self.num_total_cpu_blocks = num_cpu_blocks
@@ -42,18 +51,12 @@ class BlockSpaceManager:
         # a new block on their next token; without it, a new prompt could force a preemption
         # in the very next decode round.
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.enable_prefix_caching = enable_prefix_caching
-        if enable_prefix_caching:
-            self.gpu_allocator: BlockAllocator = CachedBlockAllocator(Device.GPU, block_size, num_gpu_blocks)
-        else:
-            self.gpu_allocator = BlockAllocator(Device.GPU, block_size, num_gpu_blocks, order=self.free_list_order)
-        self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks, order=self.free_list_order)
+        allocator = allocator or BlockAllocator
+        self.gpu_allocator = allocator(Device.GPU, block_size, num_gpu_blocks)
+        self.cpu_allocator = allocator(Device.CPU, block_size, num_cpu_blocks)
         self.block_tables: dict[int, BlockTable] = {}
 
     # -- admission -------------------------------------------------------------------------
-
-    def _num_blocks_to_allocate(self, seq: Sequence) -> int:
-        return seq.n_blocks
 
     def _reserve(self) -> int:
         """Blocks a newcomer must leave free. The watermark is there so that *running* sequences
@@ -64,7 +67,7 @@ class BlockSpaceManager:
 
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
         seq = seq_group.get_seqs(SequenceStatus.WAITING)[0]
-        required = self._num_blocks_to_allocate(seq)
+        required = seq.n_blocks
         # A new prompt that would eat into the watermark even on an empty cache never fits. A
         # sequence preempted by recompute has already run: it needs only the cache itself.
         floor = 0 if seq.get_output_len() > 0 else self.watermark_blocks
@@ -89,17 +92,16 @@ class BlockSpaceManager:
                 "tokens and cannot share one block table; a group with several sequences must be swapped, "
                 "not recomputed"
             )
-        hashes = prefix_hashes(waiting[0].get_token_ids(), self.block_size) if self.enable_prefix_caching else []
-        table: BlockTable = []
-        for i in range(waiting[0].n_blocks):
-            if i < len(hashes):
-                block = self.gpu_allocator.allocate(hashes[i])  # shares a cached block on a hit
-            else:
-                block = self.gpu_allocator.allocate()
-            block.ref_count += len(waiting) - 1
-            table.append(block)
+        table = self._prompt_blocks(waiting[0])
+        for block in table:
+            block.ref_count += len(waiting) - 1  # every waiting sequence owns each block
         for seq in waiting:
             self.block_tables[seq.seq_id] = list(table)
+
+    def _prompt_blocks(self, seq: Sequence) -> BlockTable:
+        """One fresh GPU block for each logical block of the prompt. (A subclass may hand out
+        blocks it already holds instead: see ``prefix_cache.PrefixCachingBlockSpaceManager``.)"""
+        return [self.gpu_allocator.allocate() for _ in range(seq.n_blocks)]
 
     def worst_case_num_blocks(self, prompt_len: int, num_seqs: int, max_len: int) -> int:
         """The most GPU blocks a group of ``num_seqs`` samples of one prompt can ask for at once,
@@ -144,8 +146,6 @@ class BlockSpaceManager:
         """
         table = self.block_tables[seq.seq_id]
         if len(table) < seq.n_blocks:
-            if self.enable_prefix_caching:
-                self._name_full_block(seq, len(table) - 1)
             table.append(self.gpu_allocator.allocate())
             return None
         last = table[-1]
@@ -162,39 +162,6 @@ class BlockSpaceManager:
         self.block_tables[child.seq_id] = list(table)
         for block in table:
             block.ref_count += 1
-
-    # -- prefix caching --------------------------------------------------------------------
-
-    def num_cached_tokens(self, seq: Sequence) -> int:
-        """Leading prompt tokens whose K/V already sits in cached blocks (0 without caching).
-
-        The last token is always left to compute: its logits are needed to sample."""
-        if not self.enable_prefix_caching:
-            return 0
-        n = 0
-        for h in prefix_hashes(seq.get_token_ids(), self.block_size):
-            block = self.gpu_allocator.lookup(h)
-            if block is None or not block.computed:
-                break
-            n += self.block_size
-        return min(n, seq.get_len() - 1)
-
-    def mark_computed(self, seq: Sequence) -> None:
-        """After a round: blocks whose every token now has K/V in the cache become reusable."""
-        if not self.enable_prefix_caching or seq.seq_id not in self.block_tables:
-            return
-        for block in self.block_tables[seq.seq_id][: seq.num_computed_tokens // self.block_size]:
-            if block.device == Device.GPU:
-                block.computed = True
-
-    def _name_full_block(self, seq: Sequence, index: int) -> None:
-        """A block filled by decoding gets its name once full, so later prompts can share it."""
-        block = self.block_tables[seq.seq_id][index]
-        if index < 0 or block.block_hash is not None or block.ref_count != 1:
-            return
-        hashes = prefix_hashes(seq.get_token_ids()[: (index + 1) * self.block_size], self.block_size)
-        self.gpu_allocator.register(block, hashes[index])
-        block.computed = block.block_hash is not None
 
     # -- swapping --------------------------------------------------------------------------
 
@@ -271,14 +238,25 @@ class BlockSpaceManager:
         return self.cpu_allocator.get_num_free_blocks()
 
 
+class StackBlockAllocator(BlockAllocator):
+    """vLLM v0.4's ``UncachedBlockAllocator`` order: the free blocks are a stack, so the block
+    freed last goes out first (and a fresh pool starts from its highest number)."""
+
+    def allocate(self) -> PhysicalTokenBlock:
+        self.free_blocks.rotate(1)  # the back of the free list (freed last) comes to the front
+        return super().allocate()
+
+
 class V04BlockSpaceManager(BlockSpaceManager):
     """The BlockSpaceManager with vLLM v0.4.0's rules (``vllm/core/block_manager_v1.py``), for
     ``SchedulerConfig(compat="vllm-0.4")``. Three methods and the free-list order differ; the
     bookkeeping (allocate, append_slot, fork, swap, free) is the same.
     """
 
-    # UncachedBlockAllocator keeps its free blocks in a list and pops from the end: a stack.
-    free_list_order = "lifo"
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 watermark: float = 0.01, *, allocator: AllocatorFactory | None = None) -> None:
+        super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark,
+                         allocator=allocator or StackBlockAllocator)
 
     def _reserve(self) -> int:
         # The watermark always holds, even on an empty GPU (can_allocate and can_swap_in).
@@ -288,7 +266,7 @@ class V04BlockSpaceManager(BlockSpaceManager):
         # No lower floor for a sequence preempted by recompute: one that has grown into the
         # watermark is NEVER, and the scheduler drops it as v0.4 does.
         seq = seq_group.get_seqs(SequenceStatus.WAITING)[0]
-        required = self._num_blocks_to_allocate(seq)
+        required = seq.n_blocks
         if self.num_total_gpu_blocks - required < self.watermark_blocks:
             return AllocStatus.NEVER
         if self.gpu_allocator.get_num_free_blocks() - required >= self._reserve():
@@ -299,3 +277,17 @@ class V04BlockSpaceManager(BlockSpaceManager):
         # v0.4's "simple heuristic": one free block for every running sequence, whether or not
         # its next token needs one.
         return seq_group.num_seqs(SequenceStatus.RUNNING) <= self.gpu_allocator.get_num_free_blocks()
+
+
+def make_block_manager(cache_config: CacheConfig, compat: str = "tinyserve") -> BlockSpaceManager:
+    """The block manager a config asks for: vLLM v0.4's rules, prefix caching, or the plain one."""
+    from tinyserve.prefix_cache import PrefixCachingBlockSpaceManager  # an extension built on this module
+
+    if compat == "vllm-0.4":
+        cls = V04BlockSpaceManager
+    elif cache_config.enable_prefix_caching:
+        cls = PrefixCachingBlockSpaceManager
+    else:
+        cls = BlockSpaceManager
+    return cls(cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks,
+               watermark=cache_config.watermark)

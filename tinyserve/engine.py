@@ -4,22 +4,21 @@
 worker runs it, the sampler picks next tokens, the detokenizer turns them into text, and
 finished sequences give their blocks back. Whoever wants to watch (the book's recorder, a
 metrics exporter) registers a callback that hears what each step did (``add_callback``).
-``LLM`` wraps the engine for offline batch generation, with vLLM's ``generate`` signature.
+``LLM`` (``tinyserve/llm.py``) wraps the engine for offline batch generation.
 """
 
 from __future__ import annotations
 
 import itertools
-import reprlib
 import time
 
 import torch
-from tqdm.auto import tqdm
 
+from tinyserve.attention.backend import BackendSpec
 from tinyserve.cache_engine import CacheEngine
 from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tinyserve.detokenizer import detokenize_incrementally, find_stop_string
-from tinyserve.models.loader import resolve_model_dir
+from tinyserve.models.loader import check_max_model_len
 from tinyserve.outputs import CompletionOutput, RequestOutput, StepCallback, StepEvent, StepTimes
 from tinyserve.sampler import Sampler, SampleRequest
 from tinyserve.sampling_params import SamplingParams
@@ -29,26 +28,27 @@ from tinyserve.worker import Worker
 
 
 class LLMEngine:
+    """The serving loop over one Worker (or a tensor-parallel executor of several).
+
+    Two parts can be swapped for one's own through the constructor: ``cache_engine``, the class
+    (or factory with its constructor's arguments) the Worker builds its KV cache with, default
+    ``CacheEngine``; and ``sampler``, an object called as ``sampler(logits, sample_requests)`` like
+    ``Sampler``, default ``Sampler(model_config.seed)``. ``executor`` replaces the Worker itself.
+    """
+
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                 parallel_config: ParallelConfig | None = None, attention_backend: str = "auto",
+                 parallel_config: ParallelConfig | None = None, attention_backend: BackendSpec = "auto",
                  gpu_memory_utilization: float = 0.9, swap_space_gib: float = 1.0, executor=None,
-                 record_history: bool = False) -> None:
+                 record_history: bool = False, cache_engine=None, sampler=None) -> None:
         self.model_config = model_config
         parallel_config = parallel_config or ParallelConfig()
+        _check_hooks(cache_engine, sampler, executor, parallel_config)
         if executor is None:
-            if parallel_config.tensor_parallel_size > 1:
-                from tinyserve.parallel import TensorParallelExecutor
-
-                executor = TensorParallelExecutor(model_config, parallel_config, attention_backend)
-            else:
-                executor = Worker(model_config, attention_backend=attention_backend)
+            executor = _make_executor(model_config, parallel_config, attention_backend, cache_engine)
         self.executor = executor
         self.tokenizer = executor.loaded.tokenizer
         hf = executor.loaded.hf_config
-        limit = getattr(hf, "max_position_embeddings", None)
-        if limit is not None and scheduler_config.max_model_len > limit:
-            raise ValueError(f"max_model_len={scheduler_config.max_model_len} is longer than the model's "
-                             f"max_position_embeddings={limit}")
+        check_max_model_len(scheduler_config.max_model_len, hf)
         if cache_config.num_gpu_blocks is None or cache_config.num_cpu_blocks is None:
             num_gpu, num_cpu = executor.determine_num_blocks(cache_config.block_size, gpu_memory_utilization,
                                                              swap_space_gib)
@@ -60,7 +60,7 @@ class LLMEngine:
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.scheduler = Scheduler(scheduler_config, cache_config)
-        self.sampler = Sampler(model_config.seed)
+        self.sampler = sampler if sampler is not None else Sampler(model_config.seed)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.vocab_size = hf.vocab_size
         self.times = StepTimes()
@@ -149,10 +149,7 @@ class LLMEngine:
             logits = self.executor.execute_model(metas, out.blocks_to_swap_in, out.blocks_to_swap_out,
                                                  out.blocks_to_copy)
         t2 = time.perf_counter()
-        for meta in metas:
-            for seq in meta.seq_data.values():
-                seq.num_computed_tokens += meta.token_chunk_size
-                self.scheduler.mark_computed(seq)
+        self.scheduler.update_num_computed_tokens(out)  # the K/V of every scheduled token is in the cache
         rows = [(meta, seq) for meta in metas if meta.do_sample for seq in meta.seq_data.values()]
         samples = self.sampler(logits, [self._sample_request(m, s) for m, s in rows]) if rows else []
         t3 = time.perf_counter()
@@ -211,21 +208,14 @@ class LLMEngine:
         return child
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
-        params = group.sampling_params
-        last = seq.get_last_token_id()
+        """The engine's half of the stop checks, the one that needs text: detokenize the new token
+        and look for a stop string. The scheduler checks the rest (EOS, stop token ids, lengths)
+        and frees the blocks of a sequence that finished."""
         new_text = detokenize_incrementally(self.tokenizer, seq)
-        cut = find_stop_string(seq.output_text, len(new_text), params.stop)
+        cut = find_stop_string(seq.output_text, len(new_text), group.sampling_params.stop)
         if cut != -1:
             seq.output_text = seq.output_text[:cut]
-            status = SequenceStatus.FINISHED_STOPPED
-        elif (not params.ignore_eos and last == self.eos_token_id) or last in params.stop_token_ids:
-            status = SequenceStatus.FINISHED_STOPPED
-        elif seq.get_output_len() >= params.max_tokens or seq.get_len() >= self.scheduler_config.max_model_len:
-            status = SequenceStatus.FINISHED_LENGTH_CAPPED
-        else:
-            return
-        seq.status = status
-        self.scheduler.free_seq(seq)
+        self.scheduler.check_stop(group, seq, self.eos_token_id, stop_string_found=cut != -1)
 
     def _fail(self, group: SequenceGroup, message: str) -> None:
         """Finish a request whose own step failed, as aborted with the reason; the others go on."""
@@ -243,91 +233,39 @@ class LLMEngine:
                              group.is_finished(), group.error)
 
 
-def _list_of(items, kind) -> bool:
-    """True for None, or a list (or tuple) whose items are all ``kind``."""
-    return items is None or (isinstance(items, (list, tuple)) and all(isinstance(i, kind) for i in items))
+def __getattr__(name: str):
+    # LLM lives in tinyserve/llm.py now; ``from tinyserve.engine import LLM`` keeps working.
+    if name == "LLM":
+        from tinyserve.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class LLM:
-    """Offline generation with the engine, as ``vllm.LLM`` offers it."""
+def _make_executor(model_config: ModelConfig, parallel_config: ParallelConfig, attention_backend: BackendSpec,
+                   cache_engine):
+    """The Worker that runs the model (chapter 9), or one worker process per rank (chapter 10)."""
+    # >>> chapter 10: tensor parallelism
+    if parallel_config.tensor_parallel_size > 1:
+        from tinyserve.parallel import TensorParallelExecutor
 
-    def __init__(self, model: str = "smollm2-135m", *, device: str = "auto", dtype: str | torch.dtype = "auto",
-                 block_size: int = 16, num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
-                 watermark: float = 0.01, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 max_model_len: int | None = None, policy: str = "vllm", preemption_mode: str | None = None,
-                 attention_backend: str = "auto", tensor_parallel_size: int = 1, seed: int = 0,
-                 enable_prefix_caching: bool = False, enable_chunked_prefill: bool = False,
-                 gpu_memory_utilization: float = 0.9, swap_space: float = 1.0, record_history: bool = False,
-                 compat: str = "tinyserve") -> None:
-        from transformers import AutoConfig
+        return TensorParallelExecutor(model_config, parallel_config, attention_backend)
+    # <<<
+    return Worker(model_config, attention_backend=attention_backend, cache_engine=cache_engine)
 
-        model_config = ModelConfig(model=model, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len)
-        cache_config = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-                                   num_cpu_blocks=num_cpu_blocks, watermark=watermark,
-                                   enable_prefix_caching=enable_prefix_caching)
-        if max_model_len is None:  # the model's own limit, read from its config without loading weights
-            hf_config = AutoConfig.from_pretrained(str(resolve_model_dir(model)), local_files_only=True)
-            max_model_len = hf_config.max_position_embeddings
-        scheduler_config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                           max_model_len=max_model_len, policy=policy,
-                                           preemption_mode=preemption_mode,
-                                           enable_chunked_prefill=enable_chunked_prefill, compat=compat)
-        self.engine = LLMEngine(model_config, cache_config, scheduler_config,
-                                ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-                                attention_backend=attention_backend, gpu_memory_utilization=gpu_memory_utilization,
-                                swap_space_gib=swap_space, record_history=record_history)
-        self._counter = itertools.count()
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    def generate(self, prompts: str | list[str] | None = None,
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """Generate completions for every prompt; outputs come back in the prompts' order."""
-        prompts = [prompts] if isinstance(prompts, str) else prompts
-        if prompts is None and prompt_token_ids is None:
-            raise ValueError("generate needs prompts or prompt_token_ids")
-        if not _list_of(prompts, str):
-            raise ValueError(f"prompts must be a string or a list of strings, got {reprlib.repr(prompts)}")
-        if not _list_of(prompt_token_ids, (list, tuple)):
-            raise ValueError("prompt_token_ids must be a list with one list of token ids per prompt "
-                             f"(for one prompt: [ids]), got {reprlib.repr(prompt_token_ids)}")
-        n = len(prompts) if prompts is not None else len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("generate got an empty list of prompts")
-        if prompts is not None and prompt_token_ids is not None and len(prompt_token_ids) != n:
-            raise ValueError(f"{n} prompts but {len(prompt_token_ids)} prompt_token_ids")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
-        if len(params) != n:
-            raise ValueError(f"{n} prompts but {len(params)} SamplingParams")
-        ids = []
-        try:
-            for i in range(n):
-                rid = f"gen-{next(self._counter)}"
-                self.engine.add_request(rid, prompts[i] if prompts is not None else None, params[i],
-                                        prompt_token_ids[i] if prompt_token_ids is not None else None)
-                ids.append(rid)
-        except Exception:
-            self.engine.abort_request(ids)  # all or nothing: a bad prompt leaves no half-batch behind
-            raise
-        return self._run(ids, use_tqdm if use_tqdm is not None else n > 16)
-
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
-        try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished and out.request_id not in done:
-                        done[out.request_id] = out
-                        bar.update(1)
-        except BaseException:
-            self.engine.abort_request([i for i in ids if i not in done])
-            raise
-        finally:
-            bar.close()
-        return [done[i] for i in ids]
+def _check_hooks(cache_engine, sampler, executor, parallel_config: ParallelConfig) -> None:
+    """Refuse a replacement part that is not callable, or that the engine could not pass on."""
+    if cache_engine is not None:
+        if not callable(cache_engine):
+            raise ValueError(f"cache_engine must be a CacheEngine class or a factory taking its arguments, "
+                             f"got {cache_engine!r}")
+        if executor is not None:
+            raise ValueError("cache_engine is given to the Worker the engine builds; with executor=..., "
+                             "pass it to that Worker instead (Worker(..., cache_engine=...))")
+        if parallel_config.tensor_parallel_size > 1:
+            raise ValueError("cache_engine works with tensor_parallel_size=1 only: the ranks build their caches "
+                             "in their own processes")
+    if sampler is not None and not callable(sampler):
+        raise ValueError(f"sampler must be callable as sampler(logits, sample_requests), like Sampler; "
+                         f"got {sampler!r}")

@@ -36,6 +36,7 @@ def prepare_inputs(groups: list[SequenceGroupMetadata], block_size: int,
     tables: list[list[int]] = []
     sample_indices: list[int] = []
     sample_seqs: list[tuple[SequenceGroupMetadata, Sequence]] = []
+    # Python loops over sequences and blocks, never over tokens (a prompt may bring thousands).
     for meta in groups:
         for seq_id, seq in meta.seq_data.items():
             table = meta.block_tables[seq_id]
@@ -44,14 +45,15 @@ def prepare_inputs(groups: list[SequenceGroupMetadata], block_size: int,
             if end > seq.get_len():
                 raise ValueError(f"request {meta.request_id!r}: chunk of {meta.token_chunk_size} tokens from "
                                  f"position {start} runs past the sequence's {seq.get_len()} tokens")
+            if -(-end // block_size) > len(table):  # a clear error, not an IndexError below
+                raise ValueError(f"request {meta.request_id!r}: block table of {len(table)} blocks cannot hold "
+                                 f"{end} tokens at block_size {block_size}")
             if end - start == 1:
                 input_ids.append(seq.get_last_token_id() if end == seq.get_len() else seq.get_token_ids()[start])
             else:
                 input_ids.extend(seq.get_token_ids()[start:end])
             positions.extend(range(start, end))
-            for p in range(start, end):
-                block, offset = divmod(p, block_size)
-                slots.append(table[block] * block_size + offset)
+            _add_slots(slots, table, start, end, block_size)
             query_lens.append(end - start)
             context_lens.append(end)
             tables.append(table)
@@ -65,3 +67,16 @@ def prepare_inputs(groups: list[SequenceGroupMetadata], block_size: int,
         sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
         sample_seqs=sample_seqs,
     )
+
+
+def _add_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:
+    """Append the cache slots of positions ``start..end-1``: a run of consecutive slots per
+    block touched, so a long prefill costs one step per block rather than one per token (and a
+    decode, one). Position p lives at offset ``p % block_size`` of block ``table[p // block_size]``."""
+    p = start
+    while p < end:
+        block, offset = divmod(p, block_size)
+        n = min(block_size - offset, end - p)
+        base = table[block] * block_size + offset
+        slots.extend(range(base, base + n))
+        p += n

@@ -6,6 +6,12 @@ blocks whose hashes are known, it shares those physical blocks (their ref counts
 skips computing their K/V. A block whose last owner lets go is not wiped: it waits in an LRU
 evictor, still findable by its hash, until the pool needs a block and evicts the least recently
 used one, forgetting its hash at that moment.
+
+It is an extension of chapters 02 and 03, as vLLM v0.4 keeps a ``CachedBlockAllocator`` beside
+its ``UncachedBlockAllocator``: ``CachedBlock`` adds a name to ``PhysicalTokenBlock``,
+``CachedBlockAllocator`` keeps freed blocks findable, and ``PrefixCachingBlockSpaceManager``
+shares them between prompts. The scheduler builds the caching manager when
+``CacheConfig(enable_prefix_caching=True)``, and skips the cached head of a prompt at admission.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import itertools
 from collections import OrderedDict, deque
 
 from tinyserve.block import BlockAllocator, Device, OutOfBlocksError, PhysicalTokenBlock
+from tinyserve.block_manager import AllocatorFactory, BlockSpaceManager, BlockTable
+from tinyserve.sequence import Sequence
 
 
 def hash_block_tokens(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -31,20 +39,32 @@ def prefix_hashes(token_ids: list[int], block_size: int) -> list[int]:
     return hashes
 
 
+class CachedBlock(PhysicalTokenBlock):
+    """A physical block that can be named by the prefix it holds."""
+
+    def __init__(self, device: Device, block_number: int, block_size: int) -> None:
+        super().__init__(device, block_number, block_size)
+        self.block_hash: int | None = None  # the chained hash of its tokens, once full
+        self.computed = False  # its K/V has been written: a new prompt may reuse it
+        self.last_accessed = 0  # the allocator's clock at its last hit (LRU eviction)
+
+
 class CachedBlockAllocator(BlockAllocator):
     """A BlockAllocator whose free blocks keep their content (and hash) until evicted."""
 
     def __init__(self, device: Device, block_size: int, num_blocks: int) -> None:
         super().__init__(device, block_size, num_blocks)
-        self.cached: dict[int, PhysicalTokenBlock] = {}  # hash -> the block holding that prefix
-        self.evictor: OrderedDict[int, PhysicalTokenBlock] = OrderedDict()  # free but cached, LRU first
+        self.blocks: list[CachedBlock] = [CachedBlock(device, i, block_size) for i in range(num_blocks)]
+        self.free_blocks: deque[CachedBlock] = deque(self.blocks)
+        self.cached: dict[int, CachedBlock] = {}  # hash -> the block holding that prefix
+        self.evictor: OrderedDict[int, CachedBlock] = OrderedDict()  # free but cached, LRU first
         self._clock = itertools.count(1)
         self.num_evictions = 0
 
-    def lookup(self, block_hash: int) -> PhysicalTokenBlock | None:
+    def lookup(self, block_hash: int) -> CachedBlock | None:
         return self.cached.get(block_hash)
 
-    def allocate(self, block_hash: int | None = None) -> PhysicalTokenBlock:
+    def allocate(self, block_hash: int | None = None) -> CachedBlock:
         hit = self.cached.get(block_hash) if block_hash is not None else None
         if hit is not None:
             if hit.ref_count == 0:
@@ -59,7 +79,7 @@ class CachedBlockAllocator(BlockAllocator):
             self.register(block, block_hash)
         return block
 
-    def _take_free_block(self) -> PhysicalTokenBlock:
+    def _take_free_block(self) -> CachedBlock:
         if self.free_blocks:
             return self.free_blocks.popleft()
         if self.evictor:
@@ -70,30 +90,28 @@ class CachedBlockAllocator(BlockAllocator):
         raise OutOfBlocksError(f"out of {self.device.name} blocks: all {self.num_blocks} blocks of "
                                f"{self.block_size} tokens are in use")
 
-    def register(self, block: PhysicalTokenBlock, block_hash: int) -> None:
+    def register(self, block: CachedBlock, block_hash: int) -> None:
         """Name a block by the prefix it holds, unless another block already holds it."""
         if block_hash in self.cached or block.block_hash is not None:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
-    def forget(self, block: PhysicalTokenBlock) -> None:
+    def forget(self, block: CachedBlock) -> None:
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash = None
         block.computed = False
 
-    def free(self, block: PhysicalTokenBlock) -> None:
-        if block.ref_count == 0:
-            raise ValueError(f"double free: {self.device.name} block {block.block_number} is already free")
-        block.ref_count -= 1
+    def free(self, block: CachedBlock) -> None:
+        super().free(block)  # checks the block and drops an owner; the last one frees it
         if block.ref_count > 0:
             return
         if block.block_hash is not None and block.computed:
+            self.free_blocks.pop()  # (the block just freed) it waits in the evictor instead, still findable
             self.evictor[block.block_number] = block
         else:
             self.forget(block)  # never computed: its content is garbage, so its name must go
-            self.free_blocks.append(block)
 
     def get_num_free_blocks(self) -> int:
         return len(self.free_blocks) + len(self.evictor)
@@ -104,3 +122,54 @@ class CachedBlockAllocator(BlockAllocator):
             self.forget(block)
         self.free_blocks = deque(list(self.free_blocks) + list(self.evictor.values()))
         self.evictor.clear()
+
+
+class PrefixCachingBlockSpaceManager(BlockSpaceManager):
+    """A BlockSpaceManager whose GPU blocks are shared by every prompt that starts with the same
+    full blocks. The GPU pool is a ``CachedBlockAllocator``; ``allocator`` builds the CPU pool only.
+    """
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 watermark: float = 0.01, *, allocator: AllocatorFactory | None = None) -> None:
+        super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark, allocator=allocator)
+        self.gpu_allocator: CachedBlockAllocator = CachedBlockAllocator(Device.GPU, block_size, num_gpu_blocks)
+
+    def _prompt_blocks(self, seq: Sequence) -> BlockTable:
+        """Each full block of the prompt is asked for by name (a hit shares the cached block);
+        the partial last block, which has no name yet, is a fresh one."""
+        hashes = prefix_hashes(seq.get_token_ids(), self.block_size)
+        return [self.gpu_allocator.allocate(hashes[i]) if i < len(hashes) else self.gpu_allocator.allocate()
+                for i in range(seq.n_blocks)]
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """Leading prompt tokens whose K/V already sits in computed cached blocks.
+
+        The last token is always left to compute: its logits are needed to sample."""
+        n = 0
+        for h in prefix_hashes(seq.get_token_ids(), self.block_size):
+            block = self.gpu_allocator.lookup(h)
+            if block is None or not block.computed:
+                break
+            n += self.block_size
+        return min(n, seq.get_len() - 1)
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """After a round: blocks whose every token now has K/V in the cache become reusable."""
+        for block in self.block_tables.get(seq.seq_id, [])[: seq.num_computed_tokens // self.block_size]:
+            if block.device == Device.GPU:
+                block.computed = True
+
+    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
+        table = self.block_tables[seq.seq_id]
+        if len(table) < seq.n_blocks:  # the last block has just been filled by decoding: name it
+            self._name_full_block(seq, len(table) - 1)
+        return super().append_slot(seq)
+
+    def _name_full_block(self, seq: Sequence, index: int) -> None:
+        """A block filled by decoding gets its name once full, so later prompts can share it."""
+        block = self.block_tables[seq.seq_id][index]
+        if index < 0 or block.block_hash is not None or block.ref_count != 1:
+            return
+        hashes = prefix_hashes(seq.get_token_ids()[: (index + 1) * self.block_size], self.block_size)
+        self.gpu_allocator.register(block, hashes[index])
+        block.computed = block.block_hash is not None

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from tinyserve.block import Device
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.scheduler import Scheduler, SchedulerOutputs
-from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup
 
 
 @dataclass
@@ -86,7 +86,7 @@ def make_record(round_no: int, scheduler: Scheduler, out: SchedulerOutputs, fini
             if seq.seq_id in bm.block_tables:
                 target = gpu_tables if bm.get_block_device(seq) == Device.GPU else cpu_tables
                 target[seq_key(group, seq)] = bm.get_block_table(seq)
-    batch = [g.request_id for g in out.scheduled_seq_groups]
+    batch = out.request_ids
     return RoundRecord(
         round=round_no,
         phase=out.phase,
@@ -106,23 +106,28 @@ def make_record(round_no: int, scheduler: Scheduler, out: SchedulerOutputs, fini
         num_gpu_blocks=bm.num_total_gpu_blocks,
         num_cpu_blocks=bm.num_total_cpu_blocks,
         num_batched_tokens=out.num_batched_tokens,
-        chunk_sizes=dict(zip(batch, out.token_chunk_sizes)),
+        chunk_sizes={s.seq_group.request_id: s.token_chunk_size for s in out.scheduled_seq_groups},
         tokens=dict(tokens or {}),
     )
 
 
 def simulate(requests: list[Request], scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-             max_rounds: int = 10_000, scheduler: Scheduler | None = None) -> list[RoundRecord]:
+             max_rounds: int = 10_000, *, scheduler: Scheduler | None = None) -> list[RoundRecord]:
     """Drive the scheduler round by round until every request has finished or been ignored.
 
-    Raises RuntimeError if no progress is possible (a hang is a bug, never an answer).
+    ``scheduler`` runs a Scheduler built beforehand (say with a reader's ``block_manager``,
+    ``choose_victim`` or ``can_admit``) instead of one built from the two configs; it must be
+    empty, with the same block size. Raises RuntimeError if no progress is possible (a hang
+    is a bug, never an answer).
     """
     ids = [r.request_id for r in requests]
     if len(set(ids)) != len(ids):
         raise ValueError(f"request ids must be unique, got {ids}")
-    scheduler = scheduler or Scheduler(scheduler_config, cache_config)
+    if scheduler is None:
+        scheduler = Scheduler(scheduler_config, cache_config)
+    elif scheduler.has_unfinished_seqs() or scheduler.cache_config.block_size != cache_config.block_size:
+        raise ValueError("scheduler must be an empty Scheduler built with the same cache_config block_size")
     pending = sorted(requests, key=lambda r: r.arrival_round)
-    output_len = {r.request_id: r.output_len for r in requests}
     seq_ids = itertools.count()
     fake_token = itertools.count(1000)
     records: list[RoundRecord] = []
@@ -140,20 +145,8 @@ def simulate(requests: list[Request], scheduler_config: SchedulerConfig, cache_c
         if not pending and not scheduler.has_unfinished_seqs():
             break
         _, out = scheduler.schedule()
-        finished: list[str] = []
-        for group, chunk in zip(out.scheduled_seq_groups, out.token_chunk_sizes):
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                seq.num_computed_tokens += chunk
-                scheduler.mark_computed(seq)
-                if seq.num_computed_tokens < seq.get_len():
-                    continue  # a prefill chunk short of the prompt's end samples nothing
-                seq.append_token_id(next(fake_token))
-                if seq.get_output_len() >= output_len[group.request_id]:
-                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                    scheduler.free_seq(seq)
-            if group.is_finished():
-                finished.append(group.request_id)
-        scheduler.free_finished_seq_groups()
+        # Each sequence that reaches its end gets a made-up token; output_len is its max_tokens.
+        finished = scheduler.postprocess(out, lambda group, seq: next(fake_token))
         records.append(make_record(round_no, scheduler, out, finished))
         if out.phase == "idle" and not (out.ignored_seq_groups or out.preempted or pending):
             raise RuntimeError(f"no progress in round {round_no}: waiting={[g.request_id for g in scheduler.waiting]}, "

@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import torch
 
+from tinyserve.attention.backend import BackendSpec, backend_label
 from tinyserve.cache_engine import CacheEngine
-from tinyserve.config import CacheConfig, ModelConfig
+from tinyserve.config import CacheConfig, ModelConfig, dtype_name, resolve_device
 from tinyserve.model_runner import ModelInput, prepare_inputs
 from tinyserve.models.loader import LoadedModel, load_model
 from tinyserve.sequence import SequenceGroupMetadata
@@ -22,47 +23,41 @@ CPU_KV_BUDGET_GIB = 1.0  # on a machine without CUDA the "GPU" cache is ordinary
 DEFAULT_SWAP_GIB = 1.0
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but torch sees no CUDA device; use device='cpu' or 'auto'")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-
-
 class Worker:
-    def __init__(self, model_config: ModelConfig, attention_backend: str = "auto", tp_rank: int = 0,
+    """The model and its KV cache on one device.
+
+    ``attention_backend`` is a name ("auto", "torch", "torch-batched", "triton") or a backend
+    object (see ``attention.backend`` for the two methods it needs). ``loaded`` reuses a model
+    already loaded (its backend is switched to ``attention_backend``); otherwise the loader
+    loads ``model_config.model``, resolving device and dtype. Either way the Worker runs where
+    the model's weights are and in their dtype. ``cache_engine`` is the class that holds the KV
+    cache (default ``CacheEngine``; another class with its constructor, ``gpu_cache`` and
+    ``swap_in``/``swap_out``/``copy`` can stand in, e.g. a reader's own).
+    """
+
+    def __init__(self, model_config: ModelConfig, attention_backend: BackendSpec = "auto", tp_rank: int = 0,
                  tp_size: int = 1, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 loaded: LoadedModel | None = None) -> None:
-        self.device = resolve_device(model_config.device)
-        self.dtype = resolve_dtype(model_config.dtype, self.device)
+                 loaded: LoadedModel | None = None, cache_engine: type[CacheEngine] | None = None) -> None:
         torch.manual_seed(model_config.seed)
-        self.loaded = loaded or load_model(model_config.model, device=self.device, dtype=self.dtype,
-                                           tp_rank=tp_rank, tp_size=tp_size, all_reduce=all_reduce,
-                                           attention_backend=attention_backend)
-        self.model = self.loaded.model
-        if loaded is not None:
-            self.model.set_attention_backend(attention_backend)
-        cfg = self.loaded.hf_config
-        self.num_layers = cfg.num_hidden_layers
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads // tp_size  # this rank's share
+        if loaded is None:
+            loaded = load_model(model_config.model, device=model_config.device, dtype=model_config.dtype,
+                                tp_rank=tp_rank, tp_size=tp_size, all_reduce=all_reduce,
+                                attention_backend=attention_backend)
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device, self.dtype = self.model.embed_tokens.device, self.model.embed_tokens.dtype
+        _check_settings(model_config, self.device, self.dtype)
+        self.model.set_attention_backend(attention_backend)
+        self.num_layers = self.model.num_layers
+        self.head_dim = self.model.head_dim
+        self.num_kv_heads = self.model.num_kv_heads  # this rank's share
+        self.cache_engine_class = cache_engine or CacheEngine
         self.cache_engine: CacheEngine | None = None
         self.block_size = 0
 
     @property
     def backend_name(self) -> str:
-        return self.model.backend.name
+        return backend_label(self.model.backend)
 
     def _block_args(self, block_size: int) -> tuple:
         return block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype
@@ -82,8 +77,8 @@ class Worker:
 
     def init_cache(self, cache_config: CacheConfig) -> None:
         self.block_size = cache_config.block_size
-        self.cache_engine = CacheEngine(cache_config, self.num_layers, self.num_kv_heads, self.head_dim,
-                                        self.dtype, self.device)
+        self.cache_engine = self.cache_engine_class(cache_config, self.num_layers, self.num_kv_heads, self.head_dim,
+                                                    self.dtype, self.device)
 
     @torch.inference_mode()
     def execute_model(self, groups: list[SequenceGroupMetadata], blocks_to_swap_in: dict[int, int],
@@ -106,3 +101,11 @@ class Worker:
     def run(self, inputs: ModelInput) -> torch.Tensor:
         hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.gpu_cache, inputs.attn_metadata)
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
+
+
+def _check_settings(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse an explicit device or dtype that the loaded model does not have."""
+    if model_config.device != "auto" and resolve_device(model_config.device).type != device.type:
+        raise ValueError(f"model_config.device={model_config.device!r} but the loaded model is on {device}")
+    if model_config.dtype != "auto" and model_config.dtype != dtype_name(dtype):
+        raise ValueError(f"model_config.dtype={model_config.dtype!r} but the loaded model is in {dtype}")

@@ -7,16 +7,21 @@ sequence i owns query rows ``query_start_loc[i]:query_start_loc[i+1]``. Those ro
 paged cache once the new K/V has been stored. A decode row has one query; a plain prefill has
 ``query_len == context_len``; a prefill over a cached prefix (or a later prefill chunk) has
 ``query_len < context_len``.
+
+The metadata of a batch is read-only once built (a frozen dataclass), and every layer of the
+forward pass gets the same object. That makes it the natural home for what a backend derives
+from it once per batch and reuses in every layer (``per_batch``, e.g. the batched backend's
+gather plan): it lives exactly as long as the batch it describes, so it is never stale.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot = block * block_size + offset; -1 = skip
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
@@ -24,6 +29,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, prefix sums of query lengths
     query_lens: list[int]  # host copies, so Python loops never sync with the device
     context_lens_list: list[int]
+    # Derived once per batch by a backend, keyed by what it depends on besides the batch.
+    per_batch: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import operator
 import reprlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 _repr = reprlib.Repr()
 _repr.maxlist = 12
@@ -42,3 +43,30 @@ def run_cases(name: str, fn: Callable, cases: list[tuple[tuple, object]],
         if not ok:
             failures.append(f"{name}({describe(args)}) -> {_repr.repr(got)}, expected {_repr.repr(expected)}")
     return verdict(name, failures, len(cases))
+
+
+# -- the registry: every checker of the book, by chapter -------------------------------------------
+
+@dataclass(frozen=True)
+class Checker:
+    """One exercise's checker. ``answer`` is the name of the reader's function or class that the
+    chapter's solution (``chapters/solutions/chNN.py``) defines and the checker takes."""
+
+    chapter: int
+    answer: str
+    check: Callable[..., bool]
+
+
+CHECKERS: dict[str, Checker] = {}
+
+
+def checker(chapter: int, answer: str) -> Callable[[Callable[..., bool]], Callable[..., bool]]:
+    """Register ``check_*`` as the checker of chapter ``chapter``'s exercise whose answer is named
+    ``answer``. The book's tests run every registered checker on the chapter's solution (it must
+    pass) and on deliberately wrong answers (each must fail)."""
+    def register(fn: Callable[..., bool]) -> Callable[..., bool]:
+        if fn.__name__ in CHECKERS:
+            raise ValueError(f"two checkers are named {fn.__name__}")
+        CHECKERS[fn.__name__] = Checker(chapter, answer, fn)
+        return fn
+    return register

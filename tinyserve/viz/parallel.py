@@ -2,37 +2,20 @@
 
 ``draw_column_row_parallel`` draws one MLP (or attention) block on ``k`` ranks with the real
 shard shapes from ``tinyserve.parallel.shard_shapes``; ``draw_memory_per_rank`` stacks the
-replicated and sharded weight bytes of a rank for a few model shapes; ``draw_step_times``
-plots measured round times of one rank against several.
+replicated and sharded weight bytes of a rank (``tinyserve.lab.tp_memory``) for a few model
+shapes; ``draw_tp_step_times`` plots measured round times of one rank against several.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
+from tinyserve.lab.tp_memory import memory_table
 from tinyserve.models.loader import smollm2_135m_config
-from tinyserve.parallel import shard_shapes, valid_tp_sizes, weight_bytes_per_rank
+from tinyserve.parallel import shard_shapes
 from tinyserve.viz.figures import figure
+from tinyserve.viz.style import PALETTE, pick, pyplot
 
 
-def llama_shape(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int,
-                tied: bool = False) -> SimpleNamespace:
-    """The fields of a Llama config that weight sizes depend on."""
-    return SimpleNamespace(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                           num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-                           tie_word_embeddings=tied)
-
-
-# Public shapes of three sizes (from their config.json files).
-SHAPES = {
-    "SmolLM2-135M": smollm2_135m_config(),
-    "Llama-2-7B": llama_shape(32000, 4096, 11008, 32, 32, 32),
-    "Llama-2-70B": llama_shape(32000, 8192, 28672, 80, 64, 8),
-}
-RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
-
-
-def _box(ax, x, y, w, h, color, text, alpha=0.85, fontsize=8, text_color="white"):
+def _rank_box(ax, x, y, w, h, color, text, alpha=0.85, fontsize=8, text_color="white"):
     from matplotlib.patches import FancyBboxPatch
 
     ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02", fc=color, ec="black", lw=0.6,
@@ -44,7 +27,7 @@ def draw_column_row_parallel(hf_config=None, tp_size: int = 3, tokens: int = 5):
     """The MLP of one decoder layer on ``tp_size`` ranks: a column-parallel gate/up, the SwiGLU
     on each rank's own columns, a row-parallel down projection giving partial sums, and the one
     all-reduce that adds them. Attention has the same shape: q/k/v split by heads, o_proj by rows."""
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cfg = hf_config if hf_config is not None else smollm2_135m_config()
     shapes = shard_shapes(cfg, tp_size)
@@ -54,17 +37,17 @@ def draw_column_row_parallel(hf_config=None, tp_size: int = 3, tokens: int = 5):
     row_h = 0.8
     for r in range(tp_size):
         y = (tp_size - 1 - r) * 1.15
-        c = RANK_COLORS[r % len(RANK_COLORS)]
+        c = pick(PALETTE, r)
         ax.text(-0.25, y + row_h / 2, f"rank {r}", ha="right", va="center", fontsize=9, weight="bold")
-        _box(ax, 0.0, y, 1.2, row_h, "#888888", f"x\n[{t}, {h}]\n(every rank)")
-        _box(ax, 1.6, y, 1.7, row_h, c, f"gate_up rows {r}/{tp_size}\n{list(shapes['gate_up_proj'])}")
-        _box(ax, 3.7, y, 1.5, row_h, c, f"silu(g)·u\n[{t}, {inter}]", alpha=0.6)
-        _box(ax, 5.6, y, 1.7, row_h, c, f"down cols {r}/{tp_size}\n{list(shapes['down_proj'])}")
-        _box(ax, 7.7, y, 1.4, row_h, c, f"partial z{r}\n[{t}, {h}]", alpha=0.45, text_color="black")
+        _rank_box(ax, 0.0, y, 1.2, row_h, "#888888", f"x\n[{t}, {h}]\n(every rank)")
+        _rank_box(ax, 1.6, y, 1.7, row_h, c, f"gate_up rows {r}/{tp_size}\n{list(shapes['gate_up_proj'])}")
+        _rank_box(ax, 3.7, y, 1.5, row_h, c, f"silu(g)·u\n[{t}, {inter}]", alpha=0.6)
+        _rank_box(ax, 5.6, y, 1.7, row_h, c, f"down cols {r}/{tp_size}\n{list(shapes['down_proj'])}")
+        _rank_box(ax, 7.7, y, 1.4, row_h, c, f"partial z{r}\n[{t}, {h}]", alpha=0.45, text_color="black")
         for x0, x1 in ((1.2, 1.6), (3.3, 3.7), (5.2, 5.6), (7.3, 7.7)):
             ax.annotate("", (x1, y + row_h / 2), (x0, y + row_h / 2), arrowprops=dict(arrowstyle="->", lw=0.8))
     top = (tp_size - 1) * 1.15 + row_h
-    _box(ax, 9.6, 0.0, 1.5, top, "#333333", "all-reduce\nz = " + " + ".join(f"z{r}" for r in range(tp_size))
+    _rank_box(ax, 9.6, 0.0, 1.5, top, "#333333", "all-reduce\nz = " + " + ".join(f"z{r}" for r in range(tp_size))
          + f"\n[{t}, {h}]\non every rank", fontsize=8)
     for r in range(tp_size):
         y = (tp_size - 1 - r) * 1.15 + row_h / 2
@@ -88,20 +71,9 @@ def column_row_parallel_figure():
     return draw_column_row_parallel()
 
 
-def memory_table(shapes: dict | None = None, bytes_per_param: int = 2) -> list[dict]:
-    """Weight bytes per rank for every valid tensor-parallel size (up to 8) of each shape."""
-    rows = []
-    for name, cfg in (shapes or SHAPES).items():
-        for k in [k for k in valid_tp_sizes(cfg) if k <= 8]:
-            b = weight_bytes_per_rank(cfg, k, bytes_per_param)
-            rows.append({"model": name, "tp_size": k, "replicated_GB": b["replicated"] / 1e9,
-                         "sharded_GB": b["sharded"] / 1e9, "total_GB": b["total"] / 1e9})
-    return rows
-
-
 def draw_memory_per_rank(shapes: dict | None = None, bytes_per_param: int = 2, gpu_gb: float = 80.0):
     """Stacked bars per model: replicated and sharded weight bytes on one rank, by k."""
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = memory_table(shapes, bytes_per_param)
     names = list(dict.fromkeys(r["model"] for r in rows))
@@ -134,10 +106,10 @@ def memory_per_rank_figure():
     return draw_memory_per_rank()
 
 
-def draw_step_times(times: dict[str, dict[str, float]]):
+def draw_tp_step_times(times: dict[str, dict[str, float]]):
     """``times[label] = {"prefill": s, "decode": s}``: the median model time of a round for each
     measured setup (for example ``"k=1, 1 thread"``), as grouped bars."""
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = list(times)
     phases = list(times[labels[0]])
@@ -146,7 +118,7 @@ def draw_step_times(times: dict[str, dict[str, float]]):
     for i, label in enumerate(labels):
         xs = [p + (i - (len(labels) - 1) / 2) * width for p in range(len(phases))]
         vals = [times[label][ph] * 1e3 for ph in phases]
-        ax.bar(xs, vals, width, color=RANK_COLORS[i % len(RANK_COLORS)], label=str(label))
+        ax.bar(xs, vals, width, color=pick(PALETTE, i), label=str(label))
         for x, v in zip(xs, vals):
             ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(phases)), [f"{p} round" for p in phases])

@@ -4,96 +4,24 @@ Everything here reads ``RoundRecord``s, the form in which ``sim.simulate`` and t
 ``history`` both report rounds, so the same pictures serve chapter 04 (a timeline of batches),
 chapter 05 (one round's queues and block tables) and chapter 09 (the real engine).
 
-It also holds the baseline the book compares against: ``static_batching`` plays request-level
-batching (a batch runs until its longest member is done) and reports it as RoundRecords too.
+What the drawings read off the records comes from ``tinyserve.lab.records``; the baseline the
+book compares against (``static_batching``) and the preemption sweep from ``tinyserve.lab.batching``.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
-from tinyserve.config import CacheConfig, SchedulerConfig
-from tinyserve.sim import Request, RoundRecord, simulate
+from tinyserve.lab.batching import preemption_sweep, random_requests, static_batching
+from tinyserve.lab.records import idle_slots, request_order, request_states, round_caption
+from tinyserve.sim import RoundRecord, simulate
 from tinyserve.viz.figures import figure
-
-# What a request is doing in a round, and how the timeline paints it.
-STATES = {
-    "prefill": ("#f28e2b", "prefill (computes its prompt, samples a token)"),
-    "decode": ("#4e79a7", "decode (one new token)"),
-    "idle": ("#cdd7e3", "idle: holds its place and blocks, computes nothing"),
-    "waiting": ("#ececec", "waiting"),
-    "preempted": ("#e15759", "preempted this round"),
-    "swapped": ("#b07aa1", "swapped out to the CPU"),
-    "ignored": ("#555555", "ignored (can never run)"),
-}
-FINISH_MARK = "✓"
-SWAP_IN_MARK = "↑"
-_PALETTE = ["#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",
-            "#d9d9d9", "#bc80bd", "#ccebc5", "#ffed6f"]
-
-
-def _plt():
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-# -- reading records --------------------------------------------------------------------------
-
-def request_order(records: Sequence[RoundRecord]) -> list[str]:
-    """Request ids in the order they first appear (batch first, then the queues)."""
-    seen: dict[str, None] = {}
-    for r in records:
-        for rid in [*r.batch, *r.running, *r.waiting, *r.swapped, *r.preempted, *r.ignored, *r.finished]:
-            seen.setdefault(rid, None)
-    return list(seen)
+from tinyserve.viz.style import FINISH_MARK, REQUEST_PALETTE, STATES, SWAP_IN_MARK, pick, pyplot
 
 
 def request_colors(records: Sequence[RoundRecord]) -> dict[str, str]:
     """One fixed colour per request, so a request looks the same in every round's drawing."""
-    return {rid: _PALETTE[i % len(_PALETTE)] for i, rid in enumerate(request_order(records))}
-
-
-def member_kind(record: RoundRecord, request_id: str, previous: RoundRecord | None) -> str:
-    """Whether a batch member prefilled or decoded in this round.
-
-    A pure round says so in its phase. In a mixed round, a member prefills if it brought more
-    than one new token, or if it was not running before and did not come back from swap."""
-    if record.phase in ("prefill", "decode"):
-        return record.phase
-    if record.chunk_sizes.get(request_id, 1) > 1:
-        return "prefill"
-    was_running = previous is not None and request_id in previous.running
-    return "decode" if was_running or request_id in record.swapped_in else "prefill"
-
-
-def request_states(records: Sequence[RoundRecord]) -> list[dict[str, str]]:
-    """For each round, the state (a key of STATES) of every request present in it."""
-    out = []
-    previous = None
-    for r in records:
-        states: dict[str, str] = {}
-        for rid in r.waiting:
-            states[rid] = "waiting"
-        for rid in r.swapped:
-            states[rid] = "swapped"
-        for rid in r.running:
-            states[rid] = "idle"
-        for rid in r.batch:
-            states[rid] = member_kind(r, rid, previous)
-        for rid in r.preempted:
-            states[rid] = "preempted"
-        for rid in r.ignored:
-            states[rid] = "ignored"
-        out.append(states)
-        previous = r
-    return out
-
-
-def finish_rounds(records: Sequence[RoundRecord]) -> dict[str, int]:
-    """The round in which each request produced its last token."""
-    return {rid: r.round for r in records for rid in r.finished}
+    return {rid: pick(REQUEST_PALETTE, i) for i, rid in enumerate(request_order(records))}
 
 
 # -- the timeline -------------------------------------------------------------------------------
@@ -102,7 +30,7 @@ def draw_timeline(records: Sequence[RoundRecord], ax=None, title: str | None = N
     """A requests x rounds grid: what every request did in every round, with the batch size on top.
 
     ✓ marks the round in which a request produced its last token, ↑ a swap back in."""
-    plt = _plt()
+    plt = pyplot()
     ids = request_order(records)
     if ax is None:
         _, ax = plt.subplots(figsize=(0.42 * len(records) + 2.0, 0.42 * len(ids) + 1.6))
@@ -113,7 +41,7 @@ def draw_timeline(records: Sequence[RoundRecord], ax=None, title: str | None = N
             if state is None:
                 continue
             color, _ = STATES[state]
-            ax.add_patch(_plt().Rectangle((col + 0.05, row + 0.05), 0.9, 0.9, facecolor=color,
+            ax.add_patch(pyplot().Rectangle((col + 0.05, row + 0.05), 0.9, 0.9, facecolor=color,
                                           edgecolor="#333" if rid in r.finished else "none", linewidth=1.2))
             mark = FINISH_MARK if rid in r.finished else SWAP_IN_MARK if rid in r.swapped_in else ""
             if mark:
@@ -153,7 +81,7 @@ def _owners(tables: dict[str, list[int]]) -> dict[int, list[str]]:
 def _draw_pool(ax, x0: float, y0: float, tables: dict[str, list[int]], num_blocks: int, cols: int,
                colors: dict[str, str], label: str) -> float:
     """Draw a pool of blocks as a grid from (x0, y0) downwards; returns the y below it."""
-    plt = _plt()
+    plt = pyplot()
     owners = _owners(tables)
     ax.text(x0, y0, label, ha="left", va="bottom", fontsize=8, fontweight="bold")
     for b in range(num_blocks):
@@ -172,7 +100,7 @@ def _draw_pool(ax, x0: float, y0: float, tables: dict[str, list[int]], num_block
 
 def _draw_queue(ax, x0: float, y0: float, width: float, name: str, ids: list[str], record: RoundRecord,
                 colors: dict[str, str]) -> None:
-    plt = _plt()
+    plt = pyplot()
     ax.add_patch(plt.Rectangle((x0, y0), width, 1.5, facecolor="#fafafa", edgecolor="#999", linewidth=0.8))
     ax.text(x0 + 0.1, y0 - 0.05, f"{name} ({len(ids)})", ha="left", va="bottom", fontsize=8, fontweight="bold")
     chip = min(1.6, (width - 0.2) / max(1, len(ids)))
@@ -187,31 +115,11 @@ def _draw_queue(ax, x0: float, y0: float, width: float, name: str, ids: list[str
         ax.text(x0 + 0.05 + (i + 0.5) * chip, y0 + 0.75, rid, ha="center", va="center", fontsize=7)
 
 
-def _fmt(ids: list[str]) -> str:
-    return ", ".join(ids) if ids else "-"
-
-
-def round_caption(record: RoundRecord) -> str:
-    """One line on what happened in the round (used under the drawing and by the stepper)."""
-    parts = [f"batch [{_fmt(record.batch)}] ({record.num_batched_tokens} tokens)"]
-    if record.preempted:
-        parts.append(f"preempted {_fmt(record.preempted)}")
-    if record.swapped_out:
-        parts.append(f"swapped out {_fmt(record.swapped_out)}")
-    if record.swapped_in:
-        parts.append(f"swapped in {_fmt(record.swapped_in)}")
-    if record.finished:
-        parts.append(f"finished {_fmt(record.finished)}")
-    if record.ignored:
-        parts.append(f"ignored {_fmt(record.ignored)}")
-    return " · ".join(parts)
-
-
 def draw_round(record: RoundRecord, ax=None, title: str | None = None, colors: dict[str, str] | None = None):
     """One round as a drawing: the three queues (batch members outlined bold, preempted ones
     dashed red), then the GPU pool and the CPU swap pool with each block's owner, and the block
     tables as text."""
-    plt = _plt()
+    plt = pyplot()
     colors = colors if colors is not None else request_colors([record])
     cols = max(4, min(16, max(record.num_gpu_blocks, record.num_cpu_blocks, 1)))
     width = max(cols, 9) + 7.5
@@ -251,7 +159,7 @@ def draw_round(record: RoundRecord, ax=None, title: str | None = None, colors: d
 
 def draw_rounds(records: Sequence[RoundRecord], rounds: Sequence[int], title: str | None = None):
     """Several rounds' drawings stacked, one panel per round (numbered from 1)."""
-    plt = _plt()
+    plt = pyplot()
     by_round = {r.round: r for r in records}
     colors = request_colors(records)
     first = by_round[rounds[0]]
@@ -267,100 +175,12 @@ def draw_rounds(records: Sequence[RoundRecord], rounds: Sequence[int], title: st
     return fig
 
 
-# -- the baseline: request-level (static) batching ---------------------------------------------
-
-def static_batching(requests: Sequence[Request], max_batch_size: int) -> list[RoundRecord]:
-    """Request-level batching, as RoundRecords: a batch of up to ``max_batch_size`` arrived
-    requests (first come, first served) is prefilled together and then decoded until its
-    longest member is done; only then does the next batch start.
-
-    ``running`` lists every member of the batch in each of its rounds: one that has finished
-    keeps its slot until the batch ends, in ``running`` but not in ``batch`` (an idle slot).
-    Memory is not modelled (block fields are empty)."""
-    if max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-    pending = sorted(requests, key=lambda r: r.arrival_round)
-    waiting: list[Request] = []
-    current: list[Request] = []
-    produced: dict[str, int] = {}
-    records: list[RoundRecord] = []
-    round_no = 0
-    while pending or waiting or current:
-        round_no += 1
-        while pending and pending[0].arrival_round <= round_no:
-            waiting.append(pending.pop(0))
-        phase = "decode"
-        if not current and waiting:
-            current, waiting = waiting[:max_batch_size], waiting[max_batch_size:]
-            phase = "prefill"
-        batch = [r for r in current if produced.get(r.request_id, 0) < r.output_len]
-        finished = []
-        for r in batch:
-            produced[r.request_id] = produced.get(r.request_id, 0) + 1
-            if produced[r.request_id] == r.output_len:
-                finished.append(r.request_id)
-        # A finished member still holds its slot until the whole batch is done.
-        running = [r.request_id for r in current]
-        if all(produced.get(r.request_id, 0) >= r.output_len for r in current):
-            current = []
-        records.append(RoundRecord(
-            round=round_no, phase=phase if batch else "idle", batch=[r.request_id for r in batch], preempted=[],
-            swapped_out=[], swapped_in=[], finished=finished, ignored=[], waiting=[r.request_id for r in waiting],
-            running=running, swapped=[], free_gpu_blocks=0, block_tables={},
-            num_batched_tokens=sum(r.prompt_len if phase == "prefill" else 1 for r in batch),
-            chunk_sizes={r.request_id: r.prompt_len if phase == "prefill" else 1 for r in batch}))
-    return records
-
-
-def idle_slots(records: Sequence[RoundRecord]) -> int:
-    """Slot-rounds held by a running request that computed nothing (static padding, or a decode
-    paused by a prefill-only round)."""
-    return sum(len(set(r.running) - set(r.batch)) for r in records)
-
-
-# -- the watermark and the block budget ---------------------------------------------------------
-
-def random_workload(num_requests: int = 24, seed: int = 0, max_arrival: int = 12) -> list[Request]:
-    """A fixed random workload: prompts of 4–24 tokens, outputs of 4–40, arrivals over 12 rounds."""
-    rng = random.Random(seed)
-    return [Request(f"r{i}", rng.randint(4, 24), rng.randint(4, 40), rng.randint(1, max_arrival))
-            for i in range(num_requests)]
-
-
-def recomputed_tokens(records: Sequence[RoundRecord], requests: Sequence[Request]) -> int:
-    """Tokens prefilled beyond each prompt's first prefill: the work recompute-preemption redoes."""
-    states = request_states(records)
-    prefilled = sum(r.chunk_sizes.get(rid, 0) for r, st in zip(records, states)
-                    for rid, s in st.items() if s == "prefill")
-    return prefilled - sum(q.prompt_len for q in requests)
-
-
-def preemption_sweep(requests: Sequence[Request], gpu_blocks: Sequence[int], watermarks: Sequence[float],
-                     block_size: int = 4, preemption_mode: str = "recompute",
-                     max_num_seqs: int = 16, max_num_batched_tokens: int = 64) -> dict[float, list[dict]]:
-    """Run the same workload over a grid of GPU block budgets and watermarks (vLLM policy).
-
-    Returns, per watermark, one row per budget: preemptions, rounds to finish everything,
-    recomputed tokens and ignored requests."""
-    results: dict[float, list[dict]] = {}
-    for wm in watermarks:
-        rows = []
-        for g in gpu_blocks:
-            recs = simulate(list(requests),
-                            SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                            max_model_len=256, preemption_mode=preemption_mode),
-                            CacheConfig(block_size=block_size, num_gpu_blocks=g, num_cpu_blocks=4 * g, watermark=wm))
-            rows.append({"num_gpu_blocks": g, "preemptions": sum(len(r.preempted) for r in recs),
-                         "rounds": len(recs), "recomputed_tokens": recomputed_tokens(recs, requests),
-                         "ignored": sum(len(r.ignored) for r in recs)})
-        results[wm] = rows
-    return results
-
+# -- chapter 05: what preemption costs ------------------------------------------------------------
 
 def draw_preemption_sweep(results: dict[float, list[dict]], title: str | None = None):
     """Preemptions, recomputed tokens and rounds to finish against the GPU block budget, one
     line per watermark."""
-    plt = _plt()
+    plt = pyplot()
     metrics = (("preemptions", "preemptions"), ("recomputed_tokens", "tokens prefilled again"),
                ("rounds", "rounds to finish the workload"))
     fig, axes = plt.subplots(1, len(metrics), figsize=(13, 3.6))
@@ -391,7 +211,7 @@ def fig_static_vs_iteration():
     from tinyserve import presets
 
     p = presets.orca_example("orca")
-    plt = _plt()
+    plt = pyplot()
     static, orca = static_batching(p.requests, max_batch_size=5), _run(p)
     fig, axes = plt.subplots(2, 1, figsize=(13, 5.6), gridspec_kw={"height_ratios": [1, 1]})
     draw_timeline(static, ax=axes[0], title=f"request-level batching: {len(static)} rounds, "
@@ -407,7 +227,7 @@ def fig_static_vs_iteration():
 def fig_orca_vs_vllm():
     from tinyserve import presets
 
-    plt = _plt()
+    plt = pyplot()
     orca, vllm = _run(presets.orca_example("orca")), _run(presets.orca_example("vllm"))
     fig, axes = plt.subplots(2, 1, figsize=(11, 5.6))
     draw_timeline(orca, ax=axes[0], title="A–E under the orca policy (prefill and decode mixed)")
@@ -429,7 +249,7 @@ def fig_seed_rounds_blocks():
 def fig_recompute_vs_swap():
     from tinyserve import presets
 
-    plt = _plt()
+    plt = pyplot()
     swap, recompute = _run(presets.seed_rounds("swap")), _run(presets.seed_rounds("recompute"))
     fig, axes = plt.subplots(2, 1, figsize=(10, 4.2))
     draw_timeline(swap, ax=axes[0], title=f"preemption by swap: {len(swap)} rounds")
@@ -446,5 +266,5 @@ SWEEP_WATERMARKS = (0.0, 0.05, 0.1, 0.2)
 
 @figure("05_watermark_sweep")
 def fig_watermark_sweep():
-    results = preemption_sweep(random_workload(), SWEEP_BLOCKS, SWEEP_WATERMARKS)
+    results = preemption_sweep(random_requests(), SWEEP_BLOCKS, SWEEP_WATERMARKS)
     return draw_preemption_sweep(results, title="24 random requests, recompute preemption, block size 4")

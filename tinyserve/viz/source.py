@@ -1,45 +1,245 @@
-"""Render the package's own source in a notebook, so the book shows the code that runs."""
+"""Render the package's own source in a notebook, at the stage of the chapter that shows it.
+
+The book never pastes code: each listing is read from the package when the chapter runs. A
+chapter shows an object as that chapter builds it, so code that a later chapter adds is folded
+away. Such code is marked once in the package, by two whole-line comments::
+
+    # >>> chapter 12: prefix caching
+    ...the lines chapter 12 adds...
+    # <<<
+
+``show(obj, chapter=N)`` shows every block whose chapter is at most N without its two marker
+lines, and folds every later block into one line at the block's indentation,
+``# ⋯ chapter 12: prefix caching (7 lines)``. Without ``chapter=`` it takes the notebook's
+chapter, set once by ``set_chapter(N)`` in the chapter's first cell; with no chapter at all it
+shows the finished package (every block open). Markers are strict: one that is malformed, nested,
+unclosed or empty raises ValueError, and ``tests/test_listings.py`` checks every package file.
+
+A listing carries a machine-readable id (module, qualified name, chapter) in its output's
+metadata, so a test can render every committed listing again and catch a stale book.
+"""
 
 from __future__ import annotations
 
+import html
+import importlib
 import inspect
-import textwrap
+import json
+import linecache
+import os
+import re
+
+from tinyserve.viz.markers import Block, parse_file, parse_markers  # noqa: F401 (re-exported)
+
+# The key of a listing's id in its output metadata, and the HTML comment that repeats it.
+METADATA_KEY = "tinyserve.listing"
+FOLD_MARK = "⋯"
+
+_NOTEBOOK_NAME = re.compile(r"(?:^|/)(\d\d)_[^/]*\.ipynb$")
+
+_chapter: int | None = None
+_UNSET = object()
+
+
+def _check_chapter(chapter: object) -> int | None:
+    if chapter is None:
+        return None
+    if isinstance(chapter, bool) or not isinstance(chapter, int) or not 0 <= chapter <= 99:
+        raise ValueError(f"chapter must be a chapter number from 0 to 99 or None, got {chapter!r}")
+    return chapter
+
+
+def set_chapter(chapter: int | None) -> None:
+    """Make ``chapter`` the stage at which ``show()`` renders from now on (each chapter's first
+    cell calls it; None shows the finished package)."""
+    global _chapter
+    _chapter = _check_chapter(chapter)
+
+
+def current_chapter() -> int | None:
+    """The chapter ``show()`` uses when it is not given one: the one set by ``set_chapter``,
+    else the number of the running notebook's file (when the Jupyter server names it), else None."""
+    if _chapter is not None:
+        return _chapter
+    names = [os.environ.get("JPY_SESSION_NAME", "")]
+    try:
+        from IPython import get_ipython
+
+        ip = get_ipython()
+        if ip is not None:
+            names.append(str(ip.user_ns.get("__session__", "")))
+    except ImportError:
+        pass
+    for name in names:
+        m = _NOTEBOOK_NAME.search(name)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def _unwrap_kernel(obj: object) -> object:
+    # A @triton.jit kernel wraps its Python function in ``.fn``; show the function.
+    return getattr(obj, "fn", obj) if type(obj).__module__.startswith("triton") else obj
+
+
+def resolve(module: str, qualname: str) -> object:
+    """The object a listing id names: ``qualname`` looked up attribute by attribute in ``module``."""
+    obj: object = importlib.import_module(module)
+    if qualname:
+        for part in qualname.split("."):
+            if part == "<locals>" or not hasattr(obj, part):
+                raise ValueError(f"listing id: {module}.{qualname} cannot be looked up "
+                                 f"({part!r} is not an attribute of {obj!r})")
+            obj = getattr(obj, part)
+    return _unwrap_kernel(obj)
+
+
+def _indent_of(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
 
 
 class SourceView:
-    """The source of one object, shown highlighted in Jupyter and as plain text elsewhere."""
+    """The source of one object at one chapter's stage: highlighted with the file's own line
+    numbers in Jupyter, plain text elsewhere. ``code`` is the rendered text, ``rows`` the lines
+    with their line numbers in the file (a fold row carries its opening marker's number)."""
 
-    def __init__(self, obj: object) -> None:
-        # A @triton.jit kernel wraps its Python function in ``.fn``; show the function.
-        obj = getattr(obj, "fn", obj) if type(obj).__module__.startswith("triton") else obj
+    def __init__(self, obj: object, chapter: int | None = None) -> None:
+        obj = _unwrap_kernel(obj)
         self.obj = obj
-        name = getattr(obj, "__qualname__", getattr(obj, "__name__", "?"))
-        self.qualname = name if inspect.ismodule(obj) else f"{getattr(obj, '__module__', '?')}.{name}"
-        self.code = textwrap.dedent(inspect.getsource(obj))
+        self.chapter = _check_chapter(chapter)
+        if inspect.ismodule(obj):
+            self.module, self.qualname = obj.__name__, ""
+        else:
+            self.module = getattr(obj, "__module__", None) or "?"
+            self.qualname = getattr(obj, "__qualname__", getattr(obj, "__name__", "?"))
+        self.name = f"{self.module}.{self.qualname}" if self.qualname else self.module
         # getsource follows a decorator's __wrapped__ to the real function; getsourcefile does not.
-        self.file = inspect.getsourcefile(inspect.unwrap(obj) if callable(obj) else obj)
-        self.first_line = inspect.getsourcelines(obj)[1]
+        target = inspect.unwrap(obj) if callable(obj) else obj
+        self.file = inspect.getsourcefile(target) or inspect.getfile(target)
+        src_lines, first = inspect.getsourcelines(obj)
+        self.first_line = max(first, 1)  # a module starts at line 0 for inspect
+        self.last_line = self.first_line + len(src_lines) - 1
+        file_lines = linecache.getlines(self.file)  # what inspect itself read
+        self.rows = self._fold(src_lines, parse_markers(file_lines, self._where_file()))
+        self.code = "".join(text + "\n" for _, text, _ in self.rows)
 
-    def __repr__(self) -> str:
-        return f"# {self.qualname}  ({self._where()})\n{self.code}"
+    # -- rendering at the chapter's stage -----------------------------------------------------
+    def _fold(self, src_lines: list[str], blocks: list[Block]) -> list[tuple[int, str, bool]]:
+        a, b = self.first_line, self.last_line
+        inside: dict[int, Block] = {}
+        for blk in blocks:
+            if blk.close_line < a or blk.open_line > b:
+                continue
+            if a <= blk.open_line and blk.close_line <= b:
+                inside[blk.open_line] = blk
+            elif blk.open_line < a and blk.close_line > b:
+                if self._folds(blk):
+                    raise ValueError(f"{self.name} belongs to chapter {blk.chapter} ({blk.feature}); "
+                                     f"a listing at chapter {self.chapter} cannot show it")
+            else:
+                raise ValueError(f"{self._where_file()}:{blk.open_line}: the chapter {blk.chapter} "
+                                 f"block straddles the edge of {self.name} (lines {a}-{b})")
+        marker_lines = {n for blk in inside.values() for n in (blk.open_line, blk.close_line)}
+        body = [ln for i, ln in enumerate(src_lines, a) if i not in marker_lines and ln.strip()]
+        strip = min((_indent_of(ln) for ln in body), default=0)
+        rows: list[tuple[int, str, bool]] = []
+        n = a
+        while n <= b:
+            blk = inside.get(n)
+            if blk is not None and self._folds(blk):
+                indent = blk.indent[strip:]
+                lines = "line" if blk.num_lines == 1 else "lines"
+                rows.append((n, f"{indent}# {FOLD_MARK} chapter {blk.chapter}: {blk.feature} "
+                                f"({blk.num_lines} {lines})", True))
+                n = blk.close_line + 1
+                continue
+            if n not in marker_lines:
+                rows.append((n, src_lines[n - a].rstrip("\r\n")[strip:], False))
+            n += 1
+        return rows
 
-    def _where(self) -> str:
+    def _folds(self, blk: Block) -> bool:
+        return self.chapter is not None and blk.chapter > self.chapter
+
+    # -- output -------------------------------------------------------------------------------
+    def _where_file(self) -> str:
         path = self.file or "?"
         if "tinyserve/" in path:
-            path = "tinyserve/" + path.split("tinyserve/", 1)[1]
-        return f"{path}:{self.first_line}"
+            return "tinyserve/" + path.rsplit("tinyserve/", 1)[1]
+        return os.path.basename(path)
+
+    def _where(self) -> str:
+        return f"{self._where_file()}:{self.first_line}-{self.last_line}"
+
+    def _stage(self) -> str:
+        return "finished package" if self.chapter is None else f"at chapter {self.chapter}"
+
+    @property
+    def listing_id(self) -> dict:
+        """What this listing shows, enough to render it again: see ``from_id``."""
+        return {"module": self.module, "qualname": self.qualname, "chapter": self.chapter}
+
+    @classmethod
+    def from_id(cls, listing_id: dict) -> SourceView:
+        """Render again the listing that ``listing_id`` (a committed output's metadata) names."""
+        return cls(resolve(listing_id["module"], listing_id["qualname"]), listing_id["chapter"])
+
+    def header(self) -> str:
+        """The first line of the plain-text listing, by which tests recognise listings."""
+        return f"# {self.name}  ({self._where()}, {self._stage()})"
+
+    def __repr__(self) -> str:
+        return f"{self.header()}\n{self.code}"
 
     def _repr_html_(self) -> str:
         from pygments import highlight
         from pygments.formatters import HtmlFormatter
         from pygments.lexers import PythonLexer
 
-        body = highlight(self.code, PythonLexer(), HtmlFormatter(noclasses=True, nowrap=False))
-        return (f"<div style='font-size:85%'><b>{self.qualname}</b> "
-                f"<span style='color:#888'>{self._where()}</span>{body}</div>")
+        lit = highlight(self.code, PythonLexer(stripnl=False, ensurenl=True),
+                        HtmlFormatter(noclasses=True, nowrap=True)).split("\n")
+        width = len(str(self.last_line))
+        out = []
+        for (lineno, text, fold), code_html in zip(self.rows, lit):
+            if fold:
+                code_html = (f"<span style='color:#777;font-style:italic;background:#eef1f5'>"
+                             f"{html.escape(text)}</span>")
+            out.append(f"<span style='color:#aaa;user-select:none'>{lineno:>{width}} </span>{code_html}")
+        tag = json.dumps(self.listing_id).replace("--", "- -")
+        return (f"<div style='font-size:85%'><!-- {METADATA_KEY} {tag} -->"
+                f"<b>{html.escape(self.name)}</b> <span style='color:#888'>{html.escape(self._where())}"
+                f" · {self._stage()}</span>"
+                f"<pre style='line-height:125%;margin:0.3em 0'>{chr(10).join(out)}</pre></div>")
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> tuple[dict, dict]:
+        return ({"text/plain": repr(self), "text/html": self._repr_html_()},
+                {METADATA_KEY: self.listing_id})
+
+    def _ipython_display_(self) -> None:
+        # show() displays at once, so that several listings in one cell all appear. When the
+        # view is also the cell's last expression, IPython would display it a second time.
+        from IPython import get_ipython
+        from IPython.display import display
+
+        ip = get_ipython()
+        count = getattr(ip, "execution_count", None)
+        if count is not None and getattr(self, "_shown_at", None) == count:
+            return
+        self._shown_at = count
+        data, metadata = self._repr_mimebundle_()
+        display(data, raw=True, metadata=metadata)
 
 
-def show(obj: object) -> SourceView:
-    """Return a view of ``obj``'s source (a function, class, method or module); as the last
-    expression of a cell it renders highlighted."""
-    return SourceView(obj)
+def show(obj: object, chapter: int | None = _UNSET) -> SourceView:  # type: ignore[assignment]
+    """Show the source of ``obj`` (a function, class, method or module) as chapter ``chapter``
+    builds it: later chapters' marked blocks fold into one line each. Without ``chapter`` the
+    notebook's (``set_chapter``) is used. In a notebook it is displayed at once, so every call
+    of a cell appears; the returned view has ``code`` and a plain-text ``repr``."""
+    view = SourceView(obj, current_chapter() if chapter is _UNSET else chapter)
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return view
+    if get_ipython() is not None:
+        view._ipython_display_()
+    return view

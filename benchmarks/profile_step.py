@@ -1,0 +1,204 @@
+"""Where one decode step's time goes: a batch of decoding sequences, timed part by part.
+
+The engine is filled with ``--batch`` requests, all prefilled, and then steps in pure decode
+rounds. Each timed step is cut into the engine's own phases (schedule, input preparation, the
+model's forward, the LM head, sampling, postprocessing), and the forward pass into its matmuls
+(every projection of every layer), attention (the backend's store and read of the paged cache)
+and the rest (norms, rotary, activations, residual adds, Python between them). On a CPU every
+torch op is synchronous, so wall-clock timers around a call measure that call.
+
+    python benchmarks/profile_step.py                  # SmolLM2-135M, batch 32, fp32 CPU
+    python benchmarks/profile_step.py --batch 1 --steps 10
+
+It writes ``profile_step_b<batch>.csv`` (median ms and share of each part) to ``--out``.
+
+The answer to "is a step's fixed cost small?" is the share that is neither a matmul nor
+attention (``other``): issue 17's target is at most a third of a batch-32 decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from common import RESULTS_DIR, machine  # noqa: E402
+
+from tinyserve import SamplingParams  # noqa: E402
+from tinyserve.lab import perf  # noqa: E402
+
+
+class Timers:
+    """Accumulated seconds per label, reset each step."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def wrap(self, obj, attr: str, label: str):
+        """Time every call of ``obj.attr`` under ``label`` while the block runs."""
+        original = getattr(obj, attr)
+        own = attr in vars(obj)  # an instance attribute (or module global), not a class method
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.acc[label] += time.perf_counter() - t
+
+        setattr(obj, attr, timed)
+        try:
+            yield
+        finally:
+            if own:
+                setattr(obj, attr, original)
+            else:
+                delattr(obj, attr)  # back to the class's method
+
+
+def build_llm(model: str, batch: int):
+    from tinyserve import LLM
+
+    return LLM(model=model, device="cpu", max_num_seqs=batch, swap_space=0.0)
+
+
+def fill(llm, batch: int, prompt_len: int, max_tokens: int) -> None:
+    """Add ``batch`` requests and step until all of them are decoding."""
+    engine = llm.engine
+    for i, ids in enumerate(perf.make_prompts(llm.tokenizer, [prompt_len] * batch)):
+        engine.add_request(f"r{i}", None, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                           prompt_token_ids=ids)
+    # Prefill rounds until every request has its first token.
+    started: set[str] = set()
+    while len(started) < batch:
+        started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
+
+
+def profile(llm, steps: int) -> list[dict]:
+    """Time ``steps`` decode steps part by part; one dict of seconds per step."""
+    import tinyserve.worker as worker_mod
+    from tinyserve.models import llama
+
+    engine = llm.engine
+    executor = engine.executor
+    if not hasattr(executor, "model"):
+        raise ValueError("profile_step.py times a single-process engine (tensor_parallel_size=1)")
+    model = executor.model
+    timers = Timers()
+    rows = []
+    backend = model.backend
+    with (timers.wrap(engine.scheduler, "schedule", "schedule"),
+          timers.wrap(worker_mod, "prepare_inputs", "prepare_inputs"),
+          timers.wrap(model, "forward", "forward"),
+          timers.wrap(model, "compute_logits", "lm_head"),
+          timers.wrap(engine, "sampler", "sample"),
+          timers.wrap(backend, "store_kv", "attention"),
+          timers.wrap(backend, "forward", "attention"),
+          # torch.nn.functional.linear itself, for the duration of the block: every projection
+          # of every layer (and the LM head, taken back out below) goes through it.
+          timers.wrap(llama.F, "linear", "matmul")):
+        for _ in range(steps):
+            timers.acc.clear()
+            t = time.perf_counter()
+            engine.step()
+            total = time.perf_counter() - t
+            acc = dict(timers.acc)
+            # compute_logits calls F.linear too: the LM head is its own line, not a layer matmul.
+            acc["matmul"] = acc.get("matmul", 0.0) - acc.get("lm_head", 0.0)
+            forward = acc.pop("forward", 0.0)
+            acc["forward_other"] = forward - acc["matmul"] - acc.get("attention", 0.0)
+            acc["postprocess"] = total - sum(acc.values())
+            acc["total"] = total
+            rows.append(acc)
+    return rows
+
+
+ORDER = ["schedule", "prepare_inputs", "matmul", "attention", "forward_other", "lm_head", "sample", "postprocess"]
+
+
+def summarize(rows: list[dict]) -> dict[str, float]:
+    return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in ORDER + ["total"]}
+
+
+def report(med: dict[str, float], batch: int) -> str:
+    lines = [f"batch-{batch} decode step, median over steps: {1000 * med['total']:.1f} ms"]
+    for k in ORDER:
+        lines.append(f"  {k:15s} {1000 * med[k]:7.2f} ms  {100 * med[k] / med['total']:5.1f}%")
+    core = med["matmul"] + med["attention"] + med["lm_head"]
+    lines.append(f"  not a matmul or attention: {100 * (1 - core / med['total']):.1f}% of the step")
+    return "\n".join(lines)
+
+
+def fusion_side_by_side(model, batch: int, repeats: int = 5) -> dict[str, float]:
+    """Seconds of one step's q/k/v and gate/up projections over all layers, as the model runs
+    them (one fused matmul each) and split as in the checkpoint (three and two matmuls), on the
+    same weights and input, interleaved; medians of ``repeats``."""
+    import torch.nn.functional as F
+
+    x = torch.randn(batch, model.hidden_size)
+    fused = [(layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight) for layer in model.layers]
+    q_rows = model.num_heads * model.head_dim
+    kv_rows = model.num_kv_heads * model.head_dim
+    split = [([w[:q_rows].clone(), w[q_rows:q_rows + kv_rows].clone(), w[q_rows + kv_rows:].clone()],
+              [c.clone() for c in g.chunk(2)]) for w, g in fused]
+
+    def run_fused() -> None:
+        for w, g in fused:
+            F.linear(x, w), F.linear(x, g)
+
+    def run_split() -> None:
+        for ws, gs in split:
+            for w in ws + gs:
+                F.linear(x, w)
+
+    times: dict[str, list[float]] = {"fused": [], "split": []}
+    with torch.inference_mode():
+        run_fused(), run_split()
+        for _ in range(repeats):
+            for name, fn in (("fused", run_fused), ("split", run_split)):
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args(argv)
+    if args.batch < 1 or args.steps < 1:
+        raise ValueError("--batch and --steps must be at least 1")
+    print(f"machine: {machine()}")
+    llm = build_llm(args.model, args.batch)
+    fill(llm, args.batch, args.prompt_len, max_tokens=args.steps + 8)
+    profile(llm, 2)  # warm-up
+    med = summarize(profile(llm, args.steps))
+    print(report(med, args.batch))
+    f = fusion_side_by_side(llm.engine.executor.model, args.batch)
+    print(f"q/k/v + gate/up projections of all layers at batch {args.batch}: fused {1000 * f['fused']:.1f} ms, "
+          f"split into 5 matmuls {1000 * f['split']:.1f} ms ({f['split'] / f['fused']:.2f}x)")
+    rows = [dict(batch=args.batch, part=k, ms=round(1000 * med[k], 3), share=round(med[k] / med["total"], 4))
+            for k in ORDER + ["total"]]
+    rows += [dict(batch=args.batch, part=f"qkv_gate_up_{k}", ms=round(1000 * v, 3), share="") for k, v in f.items()]
+    print(f"wrote {perf.write_results(f'profile_step_b{args.batch}', rows, args.out)}")
+
+
+if __name__ == "__main__":
+    main()

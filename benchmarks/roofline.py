@@ -1,0 +1,157 @@
+"""How close a decode step comes to the machine's limit (the roofline).
+
+A decode step at batch B does about ``2 * B * P`` FLOPs over the P parameters of its matmuls
+(plus attention over every sequence's context), and must read every weight once plus every
+sequence's cached K/V. The machine can do at most ``peak_flops`` and stream at most
+``bandwidth`` bytes a second, so no step can beat
+
+    floor(B) = max(flops(B) / peak_flops, bytes(B) / bandwidth)
+
+This script measures both limits on this machine (a large fp32 ``torch.mm``; a large tensor
+copy, counted as bytes read + bytes written), counts the FLOPs and bytes of a SmolLM2 decode
+step at batch 1, 16, 32 and 64, times tinyserve's whole engine step (and transformers' decode
+forward with its KV cache, for comparison) at those batches, and reports ``floor / measured``:
+the fraction of the roofline each step achieves. At batch 1 a step is bound by memory (the
+weights are read for one token); by batch 32 on a CPU it is bound by compute.
+
+Not counted: activations (kilobytes next to megabytes of weights), norms, rotary, softmax and
+other elementwise work; they cost time but are not part of the floor.
+
+    python benchmarks/roofline.py                   # ~2 minutes on 2 cores
+    python benchmarks/roofline.py --batches 1 4 --steps 3 --model <dir>
+
+Results go to ``roofline.csv`` in ``--out`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from common import RESULTS_DIR, machine, table  # noqa: E402
+from profile_step import build_llm, fill  # noqa: E402
+
+from tinyserve.lab import perf  # noqa: E402
+
+
+def peak_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
+    """fp32 FLOP/s of the best of ``repeats`` ``[n, n] @ [n, n]`` products."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # warm-up: thread pool, packing buffers
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """Bytes/s of the best of ``repeats`` copies of a ``mib`` MiB tensor (read + written)."""
+    src = torch.empty(mib * 2**18)  # 4-byte floats
+    src.fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * src.numel() * src.element_size() / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def decode_step_cost(config, batch: int, context: int, bytes_per_value: int = 4) -> tuple[float, float]:
+    """FLOPs and bytes of one decode step: ``batch`` sequences, each ``context`` tokens long
+    (counting the new one). Matmul weights and the LM head are read once for the whole batch;
+    each sequence reads its own K/V."""
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or h // heads
+    per_layer = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter  # qkv, o, gate/up, down
+    matmul_params = layers * per_layer + config.vocab_size * h  # + the LM head
+    attention_flops = layers * batch * 4 * heads * d * context  # q.k over the context, then p.v
+    flops = 2 * batch * matmul_params + attention_flops
+    kv_bytes = layers * batch * 2 * kv_heads * d * context * bytes_per_value
+    return flops, matmul_params * bytes_per_value + kv_bytes
+
+
+def time_tinyserve(llm, batch: int, prompt_len: int, steps: int) -> float:
+    """Median seconds of one engine step with ``batch`` sequences decoding."""
+    fill(llm, batch, prompt_len, max_tokens=steps + 4)
+    llm.engine.step()  # warm-up
+    times = [_timed(llm.engine.step) for _ in range(steps)]
+    llm.engine.abort_request([f"r{i}" for i in range(batch)])
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def time_transformers(hf, prompts: list[list[int]], steps: int) -> float:
+    """Median seconds of transformers' decode forward (one new token per row, KV cache)."""
+    ids = torch.tensor(prompts)  # equal lengths: no padding needed
+    out = hf(input_ids=ids, use_cache=True)
+    cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(steps + 1):
+        t = time.perf_counter()
+        out = hf(input_ids=nxt, cache=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        times.append(time.perf_counter() - t)
+        cache = out.cache
+    return statistics.median(times[1:])  # the first call pays for lazy set-up
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64])
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args(argv)
+    if min(args.batches) < 1 or args.steps < 1 or args.prompt_len < 1:
+        raise ValueError("--batches, --steps and --prompt-len must be at least 1")
+    print(f"machine: {machine()}")
+    flops_peak, bandwidth = peak_matmul_flops(), copy_bandwidth()
+    print(f"fp32 matmul: {flops_peak / 1e9:.1f} GFLOP/s; copy bandwidth: {bandwidth / 1e9:.1f} GB/s; "
+          f"ridge point {flops_peak / bandwidth:.1f} FLOP/byte")
+    llm = build_llm(args.model, max(args.batches))
+    config = llm.engine.executor.loaded.hf_config
+    hf = None if args.no_transformers else perf.load_hf_model(args.model, device="cpu", dtype=torch.float32)
+    rows = []
+    for b in args.batches:
+        context = args.prompt_len + args.steps // 2 + 2  # the middle of the timed steps
+        flops, nbytes = decode_step_cost(config, b, context)
+        floor = max(flops / flops_peak, nbytes / bandwidth)
+        ours = time_tinyserve(llm, b, args.prompt_len, args.steps)
+        row = dict(batch=b, context=context, gflops=round(flops / 1e9, 3), mbytes=round(nbytes / 1e6, 1),
+                   intensity=round(flops / nbytes, 2), bound="compute" if flops / flops_peak > nbytes / bandwidth
+                   else "memory", floor_ms=round(1000 * floor, 2), tinyserve_ms=round(1000 * ours, 2),
+                   tinyserve_fraction=round(floor / ours, 3))
+        if hf is not None:
+            prompts = perf.make_prompts(llm.tokenizer, [args.prompt_len] * b)
+            theirs = time_transformers(hf, prompts, args.steps)
+            row.update(transformers_ms=round(1000 * theirs, 2), transformers_fraction=round(floor / theirs, 3))
+        rows.append(row)
+        print(f"batch {b}: floor {row['floor_ms']} ms ({row['bound']}-bound), tinyserve {row['tinyserve_ms']} ms "
+              f"= {100 * row['tinyserve_fraction']:.0f}% of the roofline")
+    for r in rows:
+        r.update(peak_gflops=round(flops_peak / 1e9, 1), bandwidth_gbs=round(bandwidth / 1e9, 1))
+    print()
+    print(table(rows, [c for c in rows[0] if c not in ("peak_gflops", "bandwidth_gbs")]))
+    path = perf.write_results("roofline", rows, args.out)
+    print(f"wrote {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Throughput over a grid of workload shapes: where does tinyserve's advantage hold?
+
+``throughput.py`` measures two headline workloads. This sweep varies the shape of the work:
+
+- prompt lengths: short (4..16 tokens) or long (16..256);
+- output lengths: drawn from 8..64, from 8..128, or uniform 64;
+- at most 16 or 32 sequences running (every system gets the same cap);
+- tinyserve's "vllm" policy, its "orca" policy and chunked prefill, against transformers
+  ``generate`` (static left-padded batches) and ``generate_batch`` (continuous batching).
+
+Each cell has more requests than may run at once (1.5x, or 2x with ``--full``), so continuous
+batching has work to refill with. The systems run interleaved, cell by cell, repeat by repeat,
+so a slow spell of the shared machine hits all of them alike; a cell reports the median
+tokens/s of its repeats and their spread (min..max), and tinyserve's ratios to both
+transformers baselines.
+
+    python benchmarks/sweep.py            # "bench": the 16-running half, 1 run each (~12 min, 2 quiet cores)
+    python benchmarks/sweep.py --full     # all 12 cells, median of 3 (hours on 2 CPU cores)
+    python benchmarks/sweep.py --quick    # 2 tiny cells (a smoke test)
+
+It writes ``throughput_sweep.csv`` and ``throughput_sweep.md`` to ``--out``
+(default ``benchmarks/results``); ``plot_sweep.py`` draws the heat map of ratios from the CSV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from common import RESULTS_DIR, machine  # noqa: E402
+
+from tinyserve.lab import perf  # noqa: E402
+
+PROMPTS = {"short": (4, 16), "long": (16, 256)}
+OUTPUTS = {"8-64": (8, 64), "8-128": (8, 128), "uniform-64": (64, 64)}
+OURS = ("tinyserve", "tinyserve-orca", "tinyserve-chunked")
+BASELINES = ("generate", "generate_batch")
+
+
+@dataclass(frozen=True)
+class Cell:
+    prompts: str
+    outputs: str
+    max_running: int
+    num_requests: int
+
+    def workload(self, tokenizer, seed: int = 0) -> perf.Workload:
+        lo, hi = OUTPUTS[self.outputs]
+        p_lo, p_hi = PROMPTS[self.prompts]
+        w = perf.mixed_workload(tokenizer, self.num_requests, lo, hi, p_lo, p_hi, seed=seed)
+        return perf.Workload(f"{self.prompts}/{self.outputs}/{self.max_running}", w.prompts, w.output_lens)
+
+
+def grid(preset: str) -> tuple[list[Cell], int]:
+    """The cells of a preset and how many runs each gets."""
+    if preset == "quick":
+        return [Cell("short", "8-64", 4, 6), Cell("long", "uniform-64", 4, 4)], 1
+    running = (16, 32) if preset == "full" else (16,)
+    # More requests than may run at once, so continuous batching has work to refill with;
+    # "bench" has 1.5x (24 requests) to fit ``make bench``'s 20 minutes, "full" twice as many.
+    factor = 2 if preset == "full" else 1.5
+    cells = [Cell(p, o, b, int(factor * b)) for b in running for p in PROMPTS for o in OUTPUTS]
+    return cells, 3 if preset == "full" else 1
+
+
+def build_systems(model: str, max_running: int, quick: bool) -> list:
+    """tinyserve under its three schedules and both transformers baselines, on the same weights."""
+    from tinyserve import LLM
+
+    kw = dict(model=model, device="cpu", max_num_seqs=max_running, swap_space=0.0)
+    vllm = LLM(**kw)
+    systems = [perf.TinyserveSystem(vllm), perf.TinyserveSystem(LLM(**kw, policy="orca"), name="tinyserve-orca"),
+               perf.TinyserveSystem(LLM(**kw, enable_chunked_prefill=True,
+                                        # small enough that the quick run's prompts are really cut
+                                        max_num_batched_tokens=32 if quick else None),
+                                    name="tinyserve-chunked")]
+    executor = vllm.engine.executor
+    hf = perf.load_hf_model(model, device=executor.device, dtype=executor.dtype)
+    pad = vllm.tokenizer.pad_token_id if vllm.tokenizer.pad_token_id is not None else 0
+    systems.append(perf.StaticGenerateSystem(hf, max_running, pad))
+    systems.append(perf.GenerateBatchSystem(hf, max_running, num_blocks=vllm.engine.cache_config.num_gpu_blocks,
+                                            pad_token_id=pad))
+    return systems
+
+
+def cell_rows(cell: Cell, w: perf.Workload, runs: dict[str, list[perf.RunResult]]) -> list[dict]:
+    """One row per system: median tokens/s, spread, and (for tinyserve) ratios to the baselines."""
+    med = {name: perf.median_rate(res) for name, res in runs.items()}
+    ref = runs["tinyserve"][0]
+    rows = []
+    for name, res in runs.items():
+        rates = [r.tokens_per_s for r in res]
+        row = dict(prompts=cell.prompts, outputs=cell.outputs, max_running=cell.max_running,
+                   num_requests=cell.num_requests, prompt_tokens=w.prompt_tokens, output_tokens=w.output_tokens,
+                   system=name, runs=len(res), tokens_per_s=round(med[name], 2), min_tokens_per_s=round(min(rates), 2),
+                   max_tokens_per_s=round(max(rates), 2),
+                   same_outputs_as_tinyserve=round(perf.agreement(ref, res[0]), 3))
+        for base in BASELINES:
+            row[f"x_{base}"] = round(med[name] / med[base], 3) if name in OURS else ""
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """A table with one line per cell: tokens/s of every system (median, min..max) and the ratios."""
+    head = ["prompts", "outputs", "running"] + list(OURS + BASELINES) + [f"{o} ÷ {b}" for o in OURS for b in BASELINES]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cells = dict.fromkeys((r["prompts"], r["outputs"], r["max_running"]) for r in rows)
+    for key in cells:
+        by = {r["system"]: r for r in rows if (r["prompts"], r["outputs"], r["max_running"]) == key}
+        out = list(map(str, key))
+        for s in OURS + BASELINES:
+            r = by[s]
+            spread = f" ({r['min_tokens_per_s']:.0f}–{r['max_tokens_per_s']:.0f})" if r["runs"] > 1 else ""
+            out.append(f"{r['tokens_per_s']:.1f}{spread}")
+        out += [f"{by[o][f'x_{b}']:.2f}×" for o in OURS for b in BASELINES]
+        lines.append("| " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="two tiny cells (a smoke test)")
+    size.add_argument("--full", action="store_true", help="all 12 cells, median of 3 runs each")
+    ap.add_argument("--repeats", type=int, default=None, help="runs per cell (default: 1, or 3 with --full)")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args(argv)
+    preset = "quick" if args.quick else "full" if args.full else "bench"
+    cells, repeats = grid(preset)
+    repeats = args.repeats if args.repeats is not None else repeats
+    if repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {repeats}")
+
+    started = time.perf_counter()
+    print(f"machine: {machine()}\nsweep {preset}: {len(cells)} cells x {repeats} runs, model {args.model}")
+    rows: list[dict] = []
+    for max_running in dict.fromkeys(c.max_running for c in cells):
+        systems = build_systems(args.model, max_running, args.quick)
+        tok = systems[0].llm.tokenizer
+        perf.compare(systems, perf.uniform_workload(tok, 2, 2, 4, 8, seed=1))  # warm-up, untimed
+        for i, cell in enumerate(c for c in cells if c.max_running == max_running):
+            w = cell.workload(tok, seed=i)
+            print(f"{w.name}: {w.num_requests} requests, {w.prompt_tokens} prompt tokens, "
+                  f"{w.output_tokens} to generate")
+            rows += cell_rows(cell, w, perf.compare(systems, w, repeats, log=print))
+        del systems
+        gc.collect()
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    perf.write_results("throughput_sweep", rows, args.out)
+    seconds = round(time.perf_counter() - started, 1)
+    note = (f"Measured on {machine()}, model {args.model}, fp32 CPU, greedy with ignore_eos; "
+            f"tokens/s, median of {repeats} run(s) (min–max); {seconds} s in all.")
+    (args.out / "throughput_sweep.md").write_text(markdown(rows) + "\n\n" + note + "\n")
+    (args.out / "throughput_sweep_machine.json").write_text(
+        json.dumps(dict(machine=machine(), model=args.model, preset=preset, repeats=repeats, seconds=seconds),
+                   indent=1) + "\n")
+    print(markdown(rows))
+    print(f"wrote {args.out / 'throughput_sweep.csv'} ({seconds} s)")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Checkers for chapter 05: the vLLM scheduler, preemption and the swapped queue.
+
+``check_admission`` and ``check_preempted`` compare the reader's prediction with the real
+Scheduler in the same situation. ``check_victim_policy`` and ``check_cautious_swap_in`` grade
+components the reader writes for the real scheduler: a victim policy
+(``Scheduler(choose_victim=...)``) and a block manager whose ``can_swap_in`` keeps headroom
+(``Scheduler(block_manager=...)``). Each is checked rule by rule on random states against a
+version of the rule kept here, then round by round on s0/s1/s2 and random workloads against the
+same scheduler running that version.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from tinyserve import presets
+from tinyserve.block import Device
+from tinyserve.block_manager import BlockSpaceManager
+from tinyserve.config import CacheConfig, SchedulerConfig
+from tinyserve.exercises.sched_runs import SimWorkload, check_runs, run_with_manager, scheduler_run
+from tinyserve.exercises.verdict import checker, run_cases
+from tinyserve.scheduler import Scheduler
+from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from tinyserve.sim import Request
+
+
+def _request_group(request_id: str, seq_id: int, prompt_len: int, block_size: int,
+                   num_outputs: int = 0) -> SequenceGroup:
+    seq = Sequence(seq_id, None, list(range(1000, 1000 + prompt_len)), block_size)
+    for t in range(num_outputs):
+        seq.append_token_id(t)
+    return SequenceGroup(request_id, [seq], SamplingParams(max_tokens=64), arrival_time=float(seq_id))
+
+
+def _describe_case(case: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in case.items())
+
+
+# -- predictions ------------------------------------------------------------------------------------
+
+def _admitted(case: dict) -> list[str]:
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=case["token_budget"], max_num_seqs=case["max_num_seqs"],
+                                      max_model_len=case["token_budget"]),
+                      CacheConfig(block_size=case["block_size"], num_gpu_blocks=case["num_free_blocks"],
+                                  num_cpu_blocks=0, watermark=0.0))
+    for i, (rid, n) in enumerate(case["waiting"]):
+        sched.add_seq_group(_request_group(rid, i, n, case["block_size"]))
+    _, out = sched.schedule()
+    return [s.seq_group.request_id for s in out.scheduled_seq_groups]
+
+
+@checker(chapter=5, answer="admission")
+def check_admission(fn: Callable[..., list[str]], num_cases: int = 40, seed: int = 3) -> bool:
+    """``fn(waiting, token_budget, max_num_seqs, num_free_blocks, block_size)`` returns the ids
+    the vLLM policy admits into a prefill round, in order. ``waiting`` is a list of
+    (request id, prompt length), front of the queue first; nothing is running. Every prompt
+    fits the token budget and the cache on its own."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(num_cases):
+        block_size = rng.choice([2, 4, 8])
+        budget = rng.randint(8, 40)
+        free = rng.randint(2, 10)
+        longest = min(budget, free * block_size)
+        waiting = [(f"r{i}", rng.randint(1, longest)) for i in range(rng.randint(1, 6))]
+        case = {"waiting": waiting, "token_budget": budget, "max_num_seqs": rng.randint(1, 5),
+                "num_free_blocks": free, "block_size": block_size}
+        cases.append((case, _admitted(case)))
+    return run_cases("admission", lambda c: list(fn(list(c["waiting"]), c["token_budget"], c["max_num_seqs"],
+                                                   c["num_free_blocks"], c["block_size"])),
+                     [((case,), want) for case, want in cases], describe=lambda args: _describe_case(args[0]))
+
+
+def _preempted(case: dict) -> list[str]:
+    """A real decode round: each request holds one block of 4 slots; a prompt of 4 tokens fills
+    it, so after its first token it needs a second block, a prompt of 3 does not."""
+    running, needs, free = case["running"], case["needs_block"], case["num_free_blocks"]
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16, max_model_len=256,
+                                      preemption_mode="recompute"),
+                      CacheConfig(block_size=4, num_gpu_blocks=len(running) + free, num_cpu_blocks=0, watermark=0.0))
+    for i, rid in enumerate(running):
+        sched.add_seq_group(_request_group(rid, i, 4 if needs[rid] else 3, 4))
+    _, prefill = sched.schedule()
+    sched.postprocess(prefill, lambda group, seq: 7)
+    _, out = sched.schedule()
+    return list(out.preempted)
+
+
+@checker(chapter=5, answer="preempted")
+def check_preempted(fn: Callable[[list[str], dict[str, bool], int], list[str]], num_cases: int = 40,
+                    seed: int = 4) -> bool:
+    """``fn(running, needs_block, num_free_blocks)`` returns the ids preempted, in order, in a
+    decode round under the package's victim policy. ``running`` is oldest first;
+    ``needs_block[id]`` says whether that request needs a new block for its next token; each
+    running request holds exactly one block, which is freed if it is preempted (recompute)."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(num_cases):
+        running = [f"r{i}" for i in range(rng.randint(1, 6))]
+        case = {"running": running, "needs_block": {rid: rng.random() < 0.6 for rid in running},
+                "num_free_blocks": rng.randint(0, 2)}
+        cases.append(((case,), _preempted(case)))
+    return run_cases("preempted", lambda c: list(fn(list(c["running"]), dict(c["needs_block"]), c["num_free_blocks"])),
+                     cases, describe=lambda args: _describe_case(args[0]))
+
+
+# -- a victim policy ------------------------------------------------------------------------------
+
+def _num_tokens(group: SequenceGroup) -> int:
+    return sum(seq.get_len() for seq in group.get_seqs(SequenceStatus.RUNNING))
+
+
+def _most_tokens(running: list[SequenceGroup]) -> SequenceGroup:
+    """The rule: the most tokens; among equals, the one furthest back in the list (the newest)."""
+    best = running[0]
+    for group in running[1:]:
+        if _num_tokens(group) >= _num_tokens(best):
+            best = group
+    return best
+
+
+def _victim_lists(num_cases: int, seed: int) -> list[list[SequenceGroup]]:
+    rng = random.Random(seed)
+    lists = []
+    for _ in range(num_cases):
+        groups = []
+        for i in range(rng.randint(1, 6)):
+            group = _request_group(f"r{i}", i, rng.randint(1, 8), 4, num_outputs=rng.randint(0, 6))
+            for seq in group.get_seqs():
+                seq.status = SequenceStatus.RUNNING
+            groups.append(group)
+        lists.append(groups)
+    return lists
+
+
+def victim_workloads() -> list[SimWorkload]:
+    runs = []
+    for mode in ("swap", "recompute"):
+        seed = presets.seed_rounds(mode)
+        runs.append((f"s0/s1/s2, preemption_mode={mode!r}", seed.requests, seed.scheduler_config, seed.cache_config))
+    rng = random.Random(11)
+    for i, mode in enumerate(("swap", "recompute")):
+        requests = [Request(f"r{j}", rng.randint(1, 8), rng.randint(2, 12), rng.randint(1, 4)) for j in range(7)]
+        runs.append((f"random workload {i}, preemption_mode={mode!r}", requests,
+                     SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=6, max_model_len=20,
+                                     preemption_mode=mode),
+                     CacheConfig(block_size=2, num_gpu_blocks=10, num_cpu_blocks=16, watermark=0.0)))
+    return runs
+
+
+@checker(chapter=5, answer="most_tokens_victim")
+def check_victim_policy(fn: Callable[[list[SequenceGroup]], SequenceGroup], num_cases: int = 100,
+                        seed: int = 0) -> bool:
+    """``fn(running)`` for ``Scheduler(choose_victim=...)``: ``running`` lists the running groups
+    that still wait for their slot this round (oldest first, starting with the one that needs a
+    block); return the group whose running sequences hold the most tokens together (so freeing
+    it frees the most blocks), the newest of equals. Graded on random lists, then inside the
+    real scheduler on s0/s1/s2 and random workloads."""
+    lists = _victim_lists(num_cases, seed)
+    cases = [((groups,), _most_tokens(groups).request_id) for groups in lists]
+    rule_ok = run_cases("most_tokens_victim", lambda groups: fn(list(groups)).request_id, cases,
+                        describe=lambda args: "running " + ", ".join(f"{g.request_id}({_num_tokens(g)} tokens)"
+                                                                     for g in args[0]))
+    engine_ok = check_runs("most_tokens_victim in the scheduler", victim_workloads(),
+                           lambda *w: scheduler_run(*w, choose_victim=fn),
+                           lambda *w: scheduler_run(*w, choose_victim=_most_tokens))
+    return rule_ok and engine_ok
+
+
+# -- a cautious swap-in ---------------------------------------------------------------------------------
+
+class _CautiousModel(BlockSpaceManager):
+    """The rule: the package's test, plus one free block for every sequence already on the GPU."""
+
+    def can_swap_in(self, seq_group: SequenceGroup) -> bool:
+        swapped = seq_group.get_seqs(SequenceStatus.SWAPPED)
+        cpu_blocks = {b.block_number for seq in swapped for b in self.block_tables[seq.seq_id]}
+        on_gpu = sum(1 for seq_id, table in self.block_tables.items() if table and table[0].device == Device.GPU)
+        needed = len(cpu_blocks) + len(swapped) + on_gpu
+        return self.get_num_free_gpu_blocks() - needed >= self._reserve()
+
+
+def _swap_state(cls: type, rng: random.Random) -> tuple[BlockSpaceManager, SequenceGroup]:
+    """A manager of class ``cls`` with a group (one or two samples) swapped out, and the GPU
+    holding a few running sequences, its free blocks near the margin."""
+    bs = rng.choice([2, 4])
+    total = rng.randint(8, 40)
+    bm = cls(bs, total, 64, rng.choice([0.0, 0.0, 0.1]))
+    group = SequenceGroup("g", [Sequence(0, None, list(range(rng.randint(1, 3 * bs))), bs)],
+                          SamplingParams(n=2, temperature=1.0), 0.0)
+    bm.allocate(group)
+    parent = group.get_seqs()[0]
+    parent.status = SequenceStatus.RUNNING
+    if rng.random() < 0.5:
+        child = parent.fork(1)
+        group.add(child)
+        bm.fork(parent, child)
+    bm.swap_out(group)
+    for seq in group.get_seqs():
+        seq.status = SequenceStatus.SWAPPED
+    neighbours = rng.randint(0, 3)
+    for i in range(neighbours):  # running neighbours, one sequence each
+        if bm.get_num_free_gpu_blocks() > 2:
+            bm.allocate(_request_group(f"n{i}", 10 + i, rng.randint(1, 2 * bs), bs))
+    # Leave about what the rule needs free, where the package's test and this one part: the
+    # group's blocks, one per returning sequence, the reserve, and one per sequence on the GPU
+    # (counting the filler that takes up the rest).
+    on_gpu = sum(1 for t in bm.block_tables.values() if t and t[0].device == Device.GPU) + 1
+    blocks = len({b.block_number for seq in group.get_seqs() for b in bm.block_tables[seq.seq_id]})
+    target = blocks + group.num_seqs() + bm.watermark_blocks + rng.randint(-1, on_gpu + 1)
+    if bm.get_num_free_gpu_blocks() > target:
+        bm.allocate(_request_group("filler", 50, (bm.get_num_free_gpu_blocks() - target) * bs, bs))
+    return bm, group
+
+
+def swap_in_workloads() -> list[SimWorkload]:
+    seed = presets.seed_rounds("swap")
+    runs = [("s0/s1/s2, preemption_mode='swap'", seed.requests, seed.scheduler_config, seed.cache_config)]
+    rng = random.Random(5)
+    for i in range(3):
+        requests = [Request(f"r{j}", rng.randint(1, 8), rng.randint(2, 12), rng.randint(1, 4)) for j in range(7)]
+        runs.append((f"random workload {i}, preemption_mode='swap'", requests,
+                     SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=6, max_model_len=20,
+                                     preemption_mode="swap"),
+                     CacheConfig(block_size=2, num_gpu_blocks=10, num_cpu_blocks=24, watermark=0.0)))
+    return runs
+
+
+@checker(chapter=5, answer="CautiousSwapManager")
+def check_cautious_swap_in(cls: type, num_cases: int = 150, seed: int = 0) -> bool:
+    """``cls``: a BlockSpaceManager subclass whose ``can_swap_in(group)`` lets a swapped group
+    back only if the GPU then still has one free block for every sequence already running there
+    (so the next decode round cannot preempt anyone at once), on top of the package's own test
+    (the group's blocks plus one per returning sequence, keeping the manager's reserve, its
+    ``_reserve()``). Graded on random states, then as the scheduler's block manager on s0/s1/s2
+    and random workloads that swap."""
+    rng = random.Random(seed)
+    seeds = [rng.randrange(1 << 30) for _ in range(num_cases)]
+    cases = [((s,), _CautiousModel.can_swap_in(*_swap_state(_CautiousModel, random.Random(s)))) for s in seeds]
+
+    def decide(state_seed: int) -> bool:
+        bm, group = _swap_state(cls, random.Random(state_seed))
+        return bm.can_swap_in(group)
+
+    def describe(args: tuple) -> str:
+        bm, group = _swap_state(_CautiousModel, random.Random(args[0]))
+        on_gpu = sum(1 for t in bm.block_tables.values() if t and t[0].device == Device.GPU)
+        blocks = {b.block_number for s in group.get_seqs() for b in bm.block_tables[s.seq_id]}
+        return (f"a group of {group.num_seqs(SequenceStatus.SWAPPED)} sequences on {len(blocks)} CPU blocks, "
+                f"{on_gpu} sequences on the GPU, {bm.get_num_free_gpu_blocks()} of {bm.num_total_gpu_blocks} "
+                f"GPU blocks free, watermark {bm.watermark_blocks} blocks")
+
+    rule_ok = run_cases("CautiousSwapManager.can_swap_in", decide, cases, describe=describe,
+                        same=lambda got, want: isinstance(got, bool) and got == want)
+    engine_ok = check_runs("CautiousSwapManager in the scheduler", swap_in_workloads(),
+                           lambda *w: run_with_manager(cls, *w), lambda *w: run_with_manager(_CautiousModel, *w))
+    return rule_ok and engine_ok

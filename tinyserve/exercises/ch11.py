@@ -1,0 +1,86 @@
+"""Checkers for chapter 11, performance.
+
+- ``check_static_efficiency``: the share of computed decode slots that produce a wanted token
+  under static batching, against ``lab.batching.static_batching``.
+- ``check_kv_utilization``: the share of allocated KV slots holding a token over a whole run,
+  against the memory benchmark's ``lab.perf.no_model.kv_utilization`` (the real scheduler).
+- ``check_decode_chunks``: how the batched attention cuts a decode batch into sub-batches,
+  against ``attention.batched.decode_sub_batches``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from tinyserve.attention.batched import decode_sub_batches
+from tinyserve.exercises.verdict import checker, run_cases
+from tinyserve.lab.batching import static_batching
+from tinyserve.lab.perf.no_model import kv_utilization
+from tinyserve.sim import Request
+
+
+def _close(got, expected) -> bool:
+    return abs(got - expected) <= 1e-9
+
+
+def static_efficiency_reference(output_lens: list[int], batch_size: int) -> float:
+    """Useful decode slots over computed ones, read off the static-batching rounds: every member
+    of a batch computes in every round of its batch, wanted or not."""
+    records = static_batching([Request(f"r{i}", 4, n) for i, n in enumerate(output_lens)], batch_size)
+    return sum(len(r.batch) for r in records) / sum(len(r.running) for r in records)
+
+
+@checker(chapter=11, answer="static_efficiency")
+def check_static_efficiency(fn: Callable[[list[int], int], float], num_cases: int = 60, seed: int = 0) -> bool:
+    """``fn(output_lens, batch_size)``: under static batching (batches of ``batch_size`` requests
+    in order, each running until its longest member is done), the share of computed token slots
+    that produce a token some request wants."""
+    rng = random.Random(seed)
+    cases = [(([5], 1), 1.0), (([4, 4, 4], 2), 1.0), (([1, 9], 2), static_efficiency_reference([1, 9], 2))]
+    while len(cases) < num_cases:
+        lens = [rng.randint(1, 40) for _ in range(rng.randint(1, 20))]
+        bs = rng.randint(1, 8)
+        cases.append(((lens, bs), static_efficiency_reference(lens, bs)))
+    return run_cases("static_efficiency", lambda lens, bs: fn(list(lens), bs), cases, same=_close)
+
+
+@checker(chapter=11, answer="kv_utilization")
+def check_kv_utilization(fn: Callable[[list[int], list[int], int], float], num_cases: int = 40,
+                         seed: int = 1) -> bool:
+    """``fn(prompt_lens, output_lens, block_size)``: every request starts in round 1 (its prefill
+    computes the prompt and yields its first token) and then decodes one token a round until it
+    has ``output_len`` tokens, when it frees its blocks. After each round, a running request holds
+    the tokens computed so far in just enough blocks. Return the sum over rounds of tokens held
+    over the sum of slots allocated (paged, ``block_size`` tokens a block)."""
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < num_cases:
+        n = rng.randint(1, 8)
+        prompts = [rng.randint(1, 100) for _ in range(n)]
+        outputs = [rng.randint(2, 60) for _ in range(n)]  # 1-token outputs would hold nothing at all
+        bs = rng.choice([1, 4, 8, 16, 32])
+        expected = kv_utilization(prompts, outputs, bs, max_num_seqs=8, max_model_len=4096)["paged"]
+        cases.append(((prompts, outputs, bs), expected))
+    return run_cases("kv_utilization", lambda p, o, bs: fn(list(p), list(o), bs), cases, same=_close)
+
+
+@checker(chapter=11, answer="decode_chunks")
+def check_decode_chunks(fn: Callable[[list[int], int, int], list[list[int]]], num_cases: int = 60,
+                        seed: int = 2) -> bool:
+    """``fn(context_lens, block_size, budget)``: cut a decode batch into sub-batches. Visit the rows
+    in order of context length (ties: lower row first) and add each to the current sub-batch,
+    unless the sub-batch already has rows and adding this one would make (rows in it) x (its
+    longest context rounded up to whole blocks) exceed ``budget`` slots: then the row starts a
+    new sub-batch (even if it alone exceeds the budget). Return each sub-batch's row indices,
+    sorted, in the order the sub-batches were made."""
+    rng = random.Random(seed)
+    cases = []
+    while len(cases) < num_cases:
+        ctx = [rng.randint(1, 400) for _ in range(rng.randint(1, 40))]
+        bs = rng.choice([8, 16, 32])
+        budget = rng.choice([bs, 256, 1024, 4096, 10**6])
+        # The package counts values (slots x KV heads x head_dim); one value per slot makes it slots.
+        expected = decode_sub_batches(list(range(len(ctx))), ctx, bs, row_values=1, budget=budget)
+        cases.append(((ctx, bs, budget), expected))
+    return run_cases("decode_chunks", lambda c, bs, b: [list(x) for x in fn(list(c), bs, b)], cases)

@@ -1,0 +1,148 @@
+"""Checkers for chapter 12: prefix caching, chunked prefill, streaming.
+
+- ``check_cached_tokens``: how much of a new prompt the prefix cache spares, compared with the
+  real PrefixCachingBlockSpaceManager after the earlier prompts have run.
+- ``check_prefill_chunks``: how a long prompt is cut into chunks while other requests decode,
+  compared with the real scheduler in the simulator.
+- ``check_stream_text``: putting a streamed answer back together from its server-sent events,
+  compared with the final texts, on streams written by the server's own ``stream_events``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import reprlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from tinyserve.config import CacheConfig, SchedulerConfig
+from tinyserve.exercises.verdict import checker, run_cases
+from tinyserve.outputs import CompletionOutput, RequestOutput
+from tinyserve.prefix_cache import PrefixCachingBlockSpaceManager
+from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from tinyserve.serve.protocol import stream_events
+from tinyserve.sim import Request, simulate
+
+_body_repr = reprlib.Repr()
+_body_repr.maxlist = 12
+_body_repr.maxstring = 60
+
+
+# -- prefix caching -----------------------------------------------------------------------------
+
+def cached_tokens_reference(prompt: list[int], earlier: list[list[int]], block_size: int) -> int:
+    """What the real prefix-caching block manager answers once every earlier prompt has been prefilled."""
+    manager = PrefixCachingBlockSpaceManager(block_size, num_gpu_blocks=256, num_cpu_blocks=0, watermark=0.0)
+    for i, ids in enumerate(earlier):
+        seq = Sequence(i, None, ids, block_size)
+        manager.allocate(SequenceGroup(f"e{i}", [seq], SamplingParams(), 0.0))
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = len(ids)
+        manager.mark_computed(seq)
+        manager.free(seq)  # finished: its blocks stay in the cache
+    return manager.num_cached_tokens(Sequence(len(earlier), None, prompt, block_size))
+
+
+@checker(chapter=12, answer="cached_tokens")
+def check_cached_tokens(fn: Callable[[list[int], list[list[int]], int], int], num_cases: int = 200,
+                        seed: int = 0) -> bool:
+    """``fn(prompt, earlier_prompts, block_size)``: how many leading tokens of ``prompt`` need no
+    compute because the earlier prompts (all prefilled, their blocks still cached) hold them."""
+    rng = random.Random(seed)
+    cases = [(([1, 2, 3, 4], [[1, 2, 3, 4]], 2), None),  # all cached: the last token is still computed
+             (([1, 2, 3, 4, 5], [[1, 2, 3]], 2), None),  # a partial block is never shared
+             (([9, 3, 4], [[1, 2, 3, 4]], 1), None),  # the same block after another prefix is another block
+             (([1, 2], [], 4), None)]
+    while len(cases) < num_cases:
+        vocab = rng.choice([2, 3, 10])
+        base = [rng.randrange(vocab) for _ in range(rng.randint(0, 24))]
+        earlier = [base[: rng.randint(0, len(base))] + [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
+                   for _ in range(rng.randint(0, 3))]
+        prompt = base[: rng.randint(0, len(base))] + [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
+        cases.append(((prompt, [e for e in earlier if e], rng.choice([1, 2, 4, 8])), None))
+    cases = [(args, cached_tokens_reference(*args)) for args, _ in cases]
+    return run_cases("cached_tokens", lambda p, e, b: fn(list(p), [list(x) for x in e], b), cases,
+                      lambda a: f"prompt={_body_repr.repr(a[0])}, earlier={_body_repr.repr(a[1])}, block_size={a[2]}")
+
+
+# -- chunked prefill ----------------------------------------------------------------------------
+
+def prefill_chunks_reference(prompt_len: int, decode_left: list[int], budget: int) -> list[int]:
+    """The chunks the real scheduler gives a prompt that arrives while others decode.
+
+    Decoder i has produced its first token and will decode ``decode_left[i]`` more, one per
+    round, starting in the round the long prompt arrives."""
+    requests = [Request(f"d{i}", 1, 1 + left, arrival_round=1) for i, left in enumerate(decode_left)]
+    requests.append(Request("long", prompt_len, 1, arrival_round=2))
+    sc = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=len(requests), max_model_len=prompt_len + 1,
+                         enable_chunked_prefill=True)
+    cc = CacheConfig(block_size=16, num_gpu_blocks=1 + (prompt_len + 16) // 16 + len(decode_left) * 8,
+                     num_cpu_blocks=0, watermark=0.0)
+    return [rec.chunk_sizes["long"] for rec in simulate(requests, sc, cc) if "long" in rec.chunk_sizes]
+
+
+@checker(chapter=12, answer="prefill_chunks")
+def check_prefill_chunks(fn: Callable[[int, list[int], int], list[int]], num_cases: int = 150, seed: int = 0) -> bool:
+    """``fn(prompt_len, decode_left, budget)``: the prompt tokens a long prompt brings to each
+    round under chunked prefill, from the round it arrives until its prefill is done, while
+    decoder i decodes in the first ``decode_left[i]`` of those rounds (decodes go first)."""
+    rng = random.Random(seed)
+    cases = [(100, [], 32), (100, [50, 50, 50], 32), (10, [3], 16), (64, [1, 2, 3, 4], 8), (31, [0], 31)]
+    while len(cases) < num_cases:
+        decode_left = [rng.randint(0, 12) for _ in range(rng.randint(0, 5))]
+        cases.append((rng.randint(1, 200), decode_left, rng.randint(len(decode_left) + 1, 48)))
+    cases = [((p, list(d), b), prefill_chunks_reference(p, d, b)) for p, d, b in cases]
+    return run_cases("prefill_chunks", lambda p, d, b: list(fn(p, list(d), b)), cases,
+                      lambda a: f"prompt_len={a[0]}, decode_left={a[1]}, budget={a[2]}")
+
+
+# -- streaming ----------------------------------------------------------------------------------
+
+class _NoLoop:
+    def abort(self, request_id: str) -> None:  # a replayed stream always finishes
+        pass
+
+
+def _outputs(rng: random.Random, n: int) -> list[RequestOutput]:
+    """A made-up generation: each choice's text grows a piece per step until it finishes."""
+    words = ["Paris", " is", " the", " capital", ",", " of", " France", ".", "\n", " é", "🙂", " KV", " blocks"]
+    pieces = [[rng.choice(words) for _ in range(rng.randint(1, 8))] for _ in range(n)]
+    reasons = [rng.choice(["stop", "length"]) for _ in range(n)]
+    steps = max(len(p) for p in pieces)
+    return [RequestOutput("r", None, [1, 2, 3],
+                          [CompletionOutput(i, "".join(p[:step]), list(range(min(step, len(p)))),
+                                            reasons[i] if step >= len(p) else None) for i, p in enumerate(pieces)],
+                          finished=step == steps)
+            for step in range(1, steps + 1)]
+
+
+def stream_body(outputs: list[RequestOutput], chat: bool, include_usage: bool, n: int,
+                stop: list[str] | None = None) -> str:
+    """The text/event-stream body the server sends for this sequence of engine outputs."""
+    async def collect() -> str:
+        queue: asyncio.Queue = asyncio.Queue()
+        for out in outputs[1:]:
+            queue.put_nowait(out)
+        params = SamplingParams(n=n, temperature=1.0 if n > 1 else 0.0, stop=stop)
+        events = stream_events(_NoLoop(), "cmpl-1", queue, outputs[0], params, 0, chat, "tiny", include_usage)
+        return "".join([e async for e in events])
+
+    # A thread of its own, so this works where an event loop is already running (a notebook).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, collect()).result()
+
+
+@checker(chapter=12, answer="stream_text")
+def check_stream_text(fn: Callable[[str], dict[int, str]], num_cases: int = 60, seed: int = 0) -> bool:
+    """``fn(body)``: from the raw body of a streamed /v1/completions or /v1/chat/completions
+    answer (``data: {...}`` lines, blank lines between events, ``data: [DONE]`` at the end),
+    return ``{choice index: full text}``."""
+    rng = random.Random(seed)
+    cases = []
+    for k in range(num_cases):
+        n = 1 if k < num_cases // 2 else rng.randint(1, 3)
+        outputs = _outputs(rng, n)
+        body = stream_body(outputs, chat=bool(k % 2), include_usage=rng.random() < 0.3, n=n)
+        cases.append(((body,), {c.index: c.text for c in outputs[-1].outputs}))
+    return run_cases("stream_text", fn, cases, lambda a: f"body={_body_repr.repr(a[0])}")

@@ -1,0 +1,115 @@
+"""``LLM``: offline batch generation with the engine, with vLLM's ``generate`` signature.
+
+``LLM(...)`` takes every setting as a keyword (see ``DESIGN.md``'s public API), groups them into
+the engine's configs, and builds an ``LLMEngine``. ``generate`` adds the prompts as requests,
+steps the engine until all of them finish, and returns their outputs in the prompts' order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import reprlib
+
+import torch
+from tqdm.auto import tqdm
+
+from tinyserve.attention.backend import BackendSpec, check_backend
+from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tinyserve.engine import LLMEngine
+from tinyserve.models.loader import max_model_len_for
+from tinyserve.outputs import RequestOutput
+from tinyserve.sampling_params import SamplingParams
+
+
+def _list_of(items, kind) -> bool:
+    """True for None, or a list (or tuple) whose items are all ``kind``."""
+    return items is None or (isinstance(items, (list, tuple)) and all(isinstance(i, kind) for i in items))
+
+
+class LLM:
+    """Offline generation with the engine, as ``vllm.LLM`` offers it.
+
+    ``max_model_len=None`` is the model's own limit (read from its config, not its weights).
+    ``attention_backend`` is a name ("auto", "torch", "torch-batched", "triton") or a backend
+    object (two methods, see ``tinyserve.attention.backend``) that then runs in every attention
+    layer of the real engine. ``cache_engine`` (a CacheEngine class or factory) and ``sampler``
+    (an object called like ``Sampler``) replace those parts of the engine (see ``LLMEngine``).
+    """
+
+    def __init__(self, model: str = "smollm2-135m", *, device: str = "auto", dtype: str | torch.dtype = "auto",
+                 block_size: int = 16, num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
+                 watermark: float = 0.01, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None, policy: str = "vllm", preemption_mode: str | None = None,
+                 attention_backend: BackendSpec = "auto", tensor_parallel_size: int = 1, seed: int = 0,
+                 enable_prefix_caching: bool = False, enable_chunked_prefill: bool = False,
+                 gpu_memory_utilization: float = 0.9, swap_space: float = 1.0, record_history: bool = False,
+                 compat: str = "tinyserve", cache_engine=None, sampler=None) -> None:
+        model_config = ModelConfig(model=model, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len)
+        check_backend(attention_backend)  # refused before any weights are read
+        cache_config = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                                   num_cpu_blocks=num_cpu_blocks, watermark=watermark,
+                                   enable_prefix_caching=enable_prefix_caching)
+        scheduler_config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                                           max_model_len=max_model_len_for(model_config), policy=policy,
+                                           preemption_mode=preemption_mode,
+                                           enable_chunked_prefill=enable_chunked_prefill, compat=compat)
+        self.engine = LLMEngine(model_config, cache_config, scheduler_config,
+                                ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+                                attention_backend=attention_backend, gpu_memory_utilization=gpu_memory_utilization,
+                                swap_space_gib=swap_space, record_history=record_history,
+                                cache_engine=cache_engine, sampler=sampler)
+        self._counter = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[str] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in the prompts' order."""
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("generate needs prompts or prompt_token_ids")
+        if not _list_of(prompts, str):
+            raise ValueError(f"prompts must be a string or a list of strings, got {reprlib.repr(prompts)}")
+        if not _list_of(prompt_token_ids, (list, tuple)):
+            raise ValueError("prompt_token_ids must be a list with one list of token ids per prompt "
+                             f"(for one prompt: [ids]), got {reprlib.repr(prompt_token_ids)}")
+        n = len(prompts) if prompts is not None else len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("generate got an empty list of prompts")
+        if prompts is not None and prompt_token_ids is not None and len(prompt_token_ids) != n:
+            raise ValueError(f"{n} prompts but {len(prompt_token_ids)} prompt_token_ids")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        if len(params) != n:
+            raise ValueError(f"{n} prompts but {len(params)} SamplingParams")
+        ids = []
+        try:
+            for i in range(n):
+                rid = f"gen-{next(self._counter)}"
+                self.engine.add_request(rid, prompts[i] if prompts is not None else None, params[i],
+                                        prompt_token_ids[i] if prompt_token_ids is not None else None)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)  # all or nothing: a bad prompt leaves no half-batch behind
+            raise
+        return self._run(ids, use_tqdm if use_tqdm is not None else n > 16)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id not in done:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,267 @@
+"""The driver side of tensor parallelism: start ``k`` rank processes, talk to them, stop them.
+
+``TensorParallelExecutor`` offers the Worker's interface (``determine_num_blocks``,
+``init_cache``, ``execute_model``) to the engine, so neither the engine nor the scheduler knows
+the difference. Behind it, ``k`` processes started with ``torch.multiprocessing`` (spawn) meet on
+a free loopback port and run ``rank.worker_main``. Every round the driver sends every rank the
+same message (the scheduled groups and the swap-in, swap-out and copy maps): block numbers mean
+the same on every rank, only the heads stored in a block differ. Rank 0 sends the logits back.
+
+Shutdown is explicit (``shutdown``/``close``/``with``), and also happens on garbage collection
+and at interpreter exit (``weakref.finalize`` runs its callback from an atexit hook). The driver
+waits on its workers with timeouts and watches their process handles, so a worker that dies or
+fails surfaces as a ``WorkerError`` in the driver, never as a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import sys
+import time
+import types
+import weakref
+from multiprocessing.connection import Connection, wait
+
+import torch
+
+from tinyserve.attention.backend import BackendSpec, check_backend
+from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, resolve_device, resolve_dtype
+from tinyserve.models.loader import LoadedModel, read_hf_config, resolve_model_dir
+from tinyserve.models.sharding import check_shardable
+from tinyserve.parallel.rank import worker_main
+from tinyserve.sequence import SequenceGroupMetadata
+from tinyserve.worker import DEFAULT_SWAP_GIB
+
+START_TIMEOUT_S = 300.0  # process start, rendezvous and weight loading on every rank
+CALL_TIMEOUT_S = 600.0  # one round (or any other call): a hang guard, not a performance target
+STOP_TIMEOUT_S = 10.0  # grace period for a clean exit before terminate(), then kill()
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker failed, died or stopped answering."""
+
+
+def _check_sendable(attention_backend: BackendSpec) -> None:
+    """A backend object goes to every rank by pickle (each rank gets its own copy): refuse one
+    that cannot make the trip, before any process starts."""
+    if isinstance(check_backend(attention_backend), str):
+        return
+    if type(attention_backend).__module__ == "__main__":
+        raise ValueError("attention_backend: with tensor_parallel_size > 1 a backend object is sent to every "
+                         "rank, so its class must live in an importable module, not in __main__ or a notebook")
+    try:
+        pickle.dumps(attention_backend)
+    except Exception as e:
+        raise ValueError(f"attention_backend: with tensor_parallel_size > 1 a backend object is sent to every "
+                         f"rank and must be picklable ({e})") from None
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Start spawned processes without re-running the driver's script in them.
+
+    A spawned child normally re-imports the parent's ``__main__`` (so a script without an
+    ``if __name__ == "__main__":`` guard would build a second engine in every worker). The
+    workers' code lives in this package and needs nothing from ``__main__``, so while they are
+    started, ``__main__`` is a blank stand-in that spawn has nothing to re-import from."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class _Workers:
+    """The worker processes and the driver's end of their pipes. Kept apart from the executor so
+    the finalizer can stop them without holding a reference to the executor itself."""
+
+    def __init__(self, procs: list, conns: list[Connection]) -> None:
+        self.procs, self.conns = procs, conns
+        self.stopped = False
+        self.grace_s = STOP_TIMEOUT_S  # how long a worker may take to finish its round and exit
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        for conn in self.conns:
+            try:
+                conn.send(("shutdown", ()))
+            except (OSError, ValueError):
+                pass  # that worker is already gone
+        deadline = time.monotonic() + self.grace_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():  # stuck, e.g. in a collective whose peer died
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in self.conns:
+            conn.close()
+
+
+class TensorParallelExecutor:
+    """Drives ``tensor_parallel_size`` worker processes with the Worker's interface.
+
+    ``loaded`` carries the tokenizer and config in the driver (``loaded.model`` is None: the
+    weights live in the workers). ``rank_info`` says what each rank built (pid, device, heads,
+    KV heads, weight bytes).
+    """
+
+    def __init__(self, model_config: ModelConfig, parallel_config: ParallelConfig,
+                 attention_backend: BackendSpec = "auto", start_timeout_s: float = START_TIMEOUT_S,
+                 call_timeout_s: float = CALL_TIMEOUT_S) -> None:
+        from transformers import AutoTokenizer
+
+        self.tp_size = k = parallel_config.tensor_parallel_size
+        # Resolved once, here; the ranks are told the result.
+        self.device = resolve_device(model_config.device)
+        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        self.call_timeout_s = call_timeout_s
+        # Everything that can be refused is refused here, before a single process starts.
+        _check_sendable(attention_backend)
+        path = resolve_model_dir(model_config.model)
+        hf_config = read_hf_config(path)
+        check_shardable(hf_config, k)
+        if self.device.type == "cuda" and torch.cuda.device_count() < k:
+            raise ValueError(f"tensor_parallel_size={k} needs {k} CUDA devices (one per rank), "
+                             f"found {torch.cuda.device_count()}")
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        self.loaded = LoadedModel(model=None, tokenizer=tokenizer, hf_config=hf_config, path=path)
+
+        ctx = torch.multiprocessing.get_context("spawn")
+        port = _free_loopback_port()
+        threads = max(1, _cpu_count() // k)
+        # The finalizer exists before the first process does, so no path (not even Ctrl-C
+        # halfway through the starts) can leave a started worker without someone to stop it.
+        self._workers = _Workers([], [])
+        self._finalizer = weakref.finalize(self, self._workers.stop)
+        try:
+            with _main_module_hidden():
+                for rank in range(k):
+                    here, there = ctx.Pipe()
+                    p = ctx.Process(target=worker_main, name=f"tinyserve-tp{rank}", daemon=True,
+                                    args=(rank, k, port, model_config, self.device.type, self.dtype, path,
+                                          hf_config.to_dict(), attention_backend, there, START_TIMEOUT_S,
+                                          threads))
+                    self._workers.conns.append(here)
+                    p.start()
+                    self._workers.procs.append(p)
+                    there.close()  # only the worker holds its end, so its death reads as EOF here
+            self.rank_info: list[dict] = self._gather("start", start_timeout_s, expect="ready")
+        except BaseException:
+            self._workers.grace_s = 1.0  # a failed start has nothing worth waiting for
+            self.shutdown()
+            raise
+        self.backend_name = self.rank_info[0]["backend"]
+
+    # -- the Worker interface ---------------------------------------------------------------
+
+    def determine_num_blocks(self, block_size: int, gpu_memory_utilization: float = 0.9,
+                             swap_space_gib: float = DEFAULT_SWAP_GIB) -> tuple[int, int]:
+        """The smallest count over the ranks: one block table indexes every rank's cache."""
+        counts = self._call("determine_num_blocks", block_size, gpu_memory_utilization, swap_space_gib)
+        return min(c[0] for c in counts), min(c[1] for c in counts)
+
+    def init_cache(self, cache_config: CacheConfig) -> None:
+        self._call("init_cache", cache_config)
+
+    def execute_model(self, groups: list[SequenceGroupMetadata], blocks_to_swap_in: dict[int, int],
+                      blocks_to_swap_out: dict[int, int], blocks_to_copy: dict[int, list[int]]) -> torch.Tensor | None:
+        """One round on every rank (same orders everywhere); rank 0's float32 logits, on the CPU."""
+        results = self._call("execute_model", groups, blocks_to_swap_in, blocks_to_swap_out, blocks_to_copy)
+        return None if results[0] is None else torch.from_numpy(results[0])
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._workers.procs]
+
+    @property
+    def is_running(self) -> bool:
+        return not self._workers.stopped
+
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent): ask, wait, then terminate and kill stragglers."""
+        self._finalizer()
+
+    close = shutdown
+
+    def __enter__(self) -> TensorParallelExecutor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- talking to the ranks ---------------------------------------------------------------
+
+    def _call(self, method: str, *args) -> list:
+        if self._workers.stopped:
+            raise WorkerError("the tensor-parallel workers have been shut down; create a new executor (or LLM)")
+        try:
+            for rank, conn in enumerate(self._workers.conns):
+                try:
+                    conn.send((method, args))
+                except OSError:  # its end of the pipe is closed: the process died
+                    self._raise_died(rank, method)
+            return self._gather(method, self.call_timeout_s)
+        except BaseException as e:
+            # A failed, timed-out or interrupted round leaves the ranks out of step (some may be
+            # waiting in a collective forever): the group cannot be reused, so stop it now.
+            if not isinstance(e, KeyboardInterrupt):
+                self._workers.grace_s = 1.0  # ...and quickly: the ranks may be stuck
+            self.shutdown()
+            raise
+
+    def _gather(self, what: str, timeout: float, expect: str = "ok") -> list:
+        """Every rank's answer, as they arrive; the first failure or death raises at once."""
+        workers = self._workers
+        answers: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        while len(answers) < len(workers.procs):
+            pending = [r for r in range(len(workers.procs)) if r not in answers]
+            waitables = [workers.conns[r] for r in pending] + [workers.procs[r].sentinel for r in pending]
+            ready = wait(waitables, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WorkerError(f"tensor-parallel workers {pending} did not answer {what!r} within {timeout:.0f} s")
+            for r in pending:
+                conn, proc = workers.conns[r], workers.procs[r]
+                if conn in ready or conn.poll():
+                    try:
+                        status, payload = conn.recv()
+                    except (EOFError, OSError):  # its end of the pipe closed: the process is exiting
+                        status, payload = "died", None
+                    if status == expect:
+                        answers[r] = payload
+                        continue
+                    if status == "error":
+                        raise WorkerError(f"tensor-parallel worker rank {r} failed in {what!r}:\n{payload}")
+                elif proc.sentinel not in ready:
+                    continue
+                self._raise_died(r, what)
+        return [answers[r] for r in range(len(workers.procs))]
+
+    def _raise_died(self, rank: int, what: str) -> None:
+        proc = self._workers.procs[rank]
+        proc.join(1.0)
+        raise WorkerError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) died during {what!r} "
+                          f"(exit code {proc.exitcode})")

@@ -1,0 +1,78 @@
+"""Preemption: when the cache has no block for a running group's next token, another running
+group leaves the GPU, by swapping its blocks to CPU memory or by dropping them to be recomputed.
+
+``PreemptionMixin`` is the part of the ``Scheduler`` that decides how (``_preemption_mode``)
+and does it (``_preempt``); which group goes is ``Scheduler.choose_victim``'s choice, by
+default ``preempt_newest``, vLLM's.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from tinyserve import refusals
+from tinyserve.scheduler_outputs import PreemptionMode, SchedulerOutputs, SchedulingBudget
+from tinyserve.sequence import SequenceGroup, SequenceStatus
+
+VictimPolicy = Callable[[list[SequenceGroup]], SequenceGroup]
+
+
+def preempt_newest(running: list[SequenceGroup]) -> SequenceGroup:
+    """vLLM's victim: the group that arrived last (it has the least work to lose)."""
+    return running[-1]
+
+
+class PreemptionMixin:
+    """The Scheduler's preemption (it uses the scheduler's queues, block_manager and config)."""
+
+    def _preemption_mode(self, group: SequenceGroup) -> PreemptionMode:
+        mode = self.scheduler_config.preemption_mode
+        if mode == "swap":
+            return PreemptionMode.SWAP
+        if mode == "recompute":
+            # Forced recompute still swaps a group with several sequences: they would come back
+            # through one prefill with one shared block table, though their tokens differ. vLLM
+            # v0.4's _preempt_by_recompute likewise supports a single sequence only.
+            return PreemptionMode.RECOMPUTE if self._recomputable(group) else PreemptionMode.SWAP
+        # vLLM's rule: a single sequence is cheap to recompute; several sequences sharing blocks
+        # would each have to be recomputed, so they are swapped.
+        return PreemptionMode.RECOMPUTE if group.get_max_num_running_seqs() == 1 else PreemptionMode.SWAP
+
+    @staticmethod
+    def _take_victim(victim: SequenceGroup, candidates: deque[SequenceGroup]) -> None:
+        """Take the group ``choose_victim`` picked off the groups it was offered."""
+        if victim not in candidates:
+            raise ValueError(f"choose_victim returned {victim!r}, which is not one of the running groups it was given")
+        candidates.remove(victim)
+
+    @staticmethod
+    def _recomputable(group: SequenceGroup) -> bool:
+        """One live sequence: its tokens alone rebuild its K/V in a prefill. (A group whose
+        prompt is still being prefilled in pieces has one sequence too, whatever its n.)"""
+        return len(group.get_unfinished_seqs()) == 1
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutputs, budget: SchedulingBudget) -> None:
+        budget.subtract_seqs(group.get_max_num_running_seqs())  # it leaves `running`, whatever happens
+        mode = self._preemption_mode(group)
+        if mode == PreemptionMode.SWAP and not self.block_manager.can_swap_out(group):
+            # CPU swap space is full (or there is none). That must not fail every request in
+            # flight: recompute the group if it can be, otherwise give up on this group alone.
+            if not self._recomputable(group):
+                self._give_up(group, out, refusals.cannot_preempt(group, self.block_manager))
+                return
+            mode = PreemptionMode.RECOMPUTE
+        out.preempted.append(group.request_id)
+        if mode == PreemptionMode.RECOMPUTE:
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                seq.reset_for_recompute()
+                self.block_manager.free(seq)
+            self.waiting.appendleft(group)
+            return
+        out.blocks_to_swap_out.update(self.block_manager.swap_out(group))
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            seq.status = SequenceStatus.SWAPPED
+        # To the front: victims are taken newest first, so this keeps `swapped` oldest first
+        # (FCFS when they come back) and `running` in arrival order after they do.
+        self.swapped.appendleft(group)
+        out.swapped_out.append(group.request_id)
