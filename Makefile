@@ -7,7 +7,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 # the cores (a notebook kernel beside pytest, a second job); sleeping costs almost nothing.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: venv test lint demo book figures lab bench gpu-check browser-test screenshot clean
+.PHONY: venv test lint demo book figures lab bench sweep gpu-check browser-test screenshot clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,14 @@ bench: $(STAMP)
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/scheduler_overhead.py
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/profile_step.py
+	$(PY) benchmarks/roofline.py
+
+# The grid of workload shapes (chapter 11's heat map): about 12 minutes on 2 cores; `--full`
+# (all 12 cells, median of 3) takes about 2 hours and is run by hand.
+sweep: $(STAMP)
+	$(PY) benchmarks/sweep.py
+	$(PY) benchmarks/plot_sweep.py
 
 gpu-check: $(STAMP)
 	bash scripts/gpu_check.sh
