@@ -92,9 +92,11 @@ class TritonBackend:
         """Which path ``forward`` takes for this batch: a key of ``ROUTES``."""
         if meta.is_decode:
             return "decode-kernel"
-        if not meta.has_prefix:
-            return "prefill-sdpa"
-        return "torch-batched"
+        # >>> chapter 12: prefix caching
+        if meta.has_prefix:  # a cached prefix or an earlier chunk: attention must read the cache
+            return "torch-batched"
+        # <<<
+        return "prefill-sdpa"
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
