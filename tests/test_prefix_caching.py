@@ -429,3 +429,22 @@ def test_the_prefix_sharing_figure_draws_the_shared_blocks_and_the_savings():
     assert len(first3) == 4 and len({tuple(v) for v in first3.values()}) == 1  # the same 3 physical blocks
     assert len({b[3] for b in blocks.values()}) == 4  # the straddling block is private
     assert "72 saved" in fig.axes[1].get_title()
+
+
+def test_two_requests_sharing_a_cached_block_are_swapped_out_in_one_round():
+    """Found by the random test above: r5 and r0 share cached block 0 and are swapped out in the
+    same round. A round's copy list has one destination per source block, so the second swap-out
+    must share the first one's CPU copy; it used to get a CPU block of its own that nothing wrote,
+    and r0 attended to garbage after swapping back in."""
+    R = sim.Request
+    requests = [R("r0", 1, 2, 6, [0]), R("r1", 1, 1, 1, [0]), R("r2", 1, 1, 1, [0]), R("r3", 1, 1, 1, [0]),
+                R("r4", 1, 5, 1, [0]), R("r5", 2, 5, 1, [0, 0])]
+    sc = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=3, max_model_len=7, policy="vllm",
+                         preemption_mode="swap")
+    cc = CacheConfig(block_size=1, num_gpu_blocks=9, num_cpu_blocks=18, watermark=0.0, enable_prefix_caching=True)
+    scheduler = ShadowScheduler(sc, cc)
+    records = sim.simulate(requests, sc, cc, scheduler=scheduler)  # the shadow cache asserts every read
+    assert any(len(r.swapped_out) == 2 for r in records), "the case needs two swap-outs in one round"
+    assert {rid for r in records for rid in r.finished} == {r.request_id for r in requests}
+    bm = scheduler.block_manager
+    assert bm.get_num_free_cpu_blocks() == cc.num_cpu_blocks and not bm._cpu_by_hash and not bm._cpu_hash

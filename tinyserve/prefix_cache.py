@@ -21,7 +21,7 @@ from collections import OrderedDict, deque
 
 from tinyserve.block import BlockAllocator, Device, OutOfBlocksError, PhysicalTokenBlock
 from tinyserve.block_manager import AllocatorFactory, BlockSpaceManager, BlockTable
-from tinyserve.sequence import Sequence
+from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 def hash_block_tokens(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -133,6 +133,11 @@ class PrefixCachingBlockSpaceManager(BlockSpaceManager):
                  watermark: float = 0.01, *, allocator: AllocatorFactory | None = None) -> None:
         super().__init__(block_size, num_gpu_blocks, num_cpu_blocks, watermark, allocator=allocator)
         self.gpu_allocator: CachedBlockAllocator = CachedBlockAllocator(Device.GPU, block_size, num_gpu_blocks)
+        # CPU copies of named GPU blocks, by name. Two requests that share a cached block can be
+        # swapped out (or in) one after the other in the same round, and a round's copy list has
+        # one destination per source block: the second must share the first one's copy.
+        self._cpu_by_hash: dict[int, PhysicalTokenBlock] = {}
+        self._cpu_hash: dict[int, int] = {}  # CPU block number -> the name of what it holds
 
     def _prompt_blocks(self, seq: Sequence) -> BlockTable:
         """Each full block of the prompt is asked for by name (a hit shares the cached block);
@@ -173,3 +178,68 @@ class PrefixCachingBlockSpaceManager(BlockSpaceManager):
         hashes = prefix_hashes(seq.get_token_ids()[: (index + 1) * self.block_size], self.block_size)
         self.gpu_allocator.register(block, hashes[index])
         block.computed = block.block_hash is not None
+
+    # -- swapping blocks that several requests share ------------------------------------------
+
+    def _move(self, seq_group: SequenceGroup, status: SequenceStatus,
+              src_alloc: BlockAllocator, dst_alloc: BlockAllocator) -> dict[int, int]:
+        mapping: dict[int, PhysicalTokenBlock] = {}
+        for seq in seq_group.get_seqs(status):
+            new_table: BlockTable = []
+            for src in self.block_tables[seq.seq_id]:
+                if src.block_number in mapping:
+                    dst = mapping[src.block_number]
+                    dst.ref_count += 1
+                else:
+                    dst = self._shared_copy(src, dst_alloc)
+                    if dst is None:  # nobody holds a copy yet: make one (the worker copies it)
+                        dst = dst_alloc.allocate()
+                        mapping[src.block_number] = dst
+                        self._name_copy(src, dst)
+                new_table.append(dst)
+                src_alloc.free(src)
+                self._forget_if_free(src)
+            self.block_tables[seq.seq_id] = new_table
+        return {src: dst.block_number for src, dst in mapping.items()}
+
+    def _name_of(self, block: PhysicalTokenBlock) -> int | None:
+        """The prefix a block holds for sure (written, not in flight), or None."""
+        if block.device == Device.GPU:
+            return block.block_hash if getattr(block, "computed", False) else None
+        return self._cpu_hash.get(block.block_number)
+
+    def _shared_copy(self, src: PhysicalTokenBlock, dst_alloc: BlockAllocator) -> PhysicalTokenBlock | None:
+        """A block on the other device that already holds (or this round receives) src's content."""
+        name = self._name_of(src)
+        if name is None:
+            return None
+        if dst_alloc is self.cpu_allocator:
+            copy = self._cpu_by_hash.get(name)
+            if copy is not None:
+                copy.ref_count += 1
+            return copy
+        hit = self.gpu_allocator.lookup(name)
+        return self.gpu_allocator.allocate(name) if hit is not None and hit.computed else None
+
+    def _name_copy(self, src: PhysicalTokenBlock, dst: PhysicalTokenBlock) -> None:
+        name = self._name_of(src)
+        if name is None:
+            return
+        if dst.device == Device.CPU:
+            self._cpu_by_hash[name] = dst
+            self._cpu_hash[dst.block_number] = name
+        else:  # its content arrives by the swap-in copy, before the model runs this round
+            self.gpu_allocator.register(dst, name)
+            dst.computed = dst.block_hash is not None
+
+    def _forget_if_free(self, block: PhysicalTokenBlock) -> None:
+        if block.device == Device.CPU and block.ref_count == 0:
+            name = self._cpu_hash.pop(block.block_number, None)
+            if name is not None and self._cpu_by_hash.get(name) is block:
+                del self._cpu_by_hash[name]
+
+    def free(self, seq: Sequence) -> None:
+        table = self.block_tables.get(seq.seq_id, [])
+        super().free(seq)
+        for block in table:
+            self._forget_if_free(block)
