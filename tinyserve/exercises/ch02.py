@@ -11,11 +11,10 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from tinyserve import presets
 from tinyserve.block import Device, OutOfBlocksError, PhysicalTokenBlock, slot_mapping
 from tinyserve.block_manager import BlockSpaceManager
 from tinyserve.config import CacheConfig, SchedulerConfig
-from tinyserve.exercises.sched_runs import SimWorkload, check_runs, scheduler_run
+from tinyserve.exercises.sched_runs import SimWorkload, check_runs, scheduler_run, seed_workloads
 from tinyserve.exercises.verdict import checker, run_cases
 from tinyserve.sequence import Sequence
 from tinyserve.sim import Request, RoundRecord
@@ -176,10 +175,7 @@ def _run_script(make: Callable, num_blocks: int, ops: list[str], model: bool = F
 
 def allocator_workloads() -> list[SimWorkload]:
     """s0/s1/s2 both ways, and a small random workload that swaps (so CPU blocks move too)."""
-    runs = []
-    for mode in ("swap", "recompute"):
-        seed = presets.seed_rounds(mode)
-        runs.append((f"s0/s1/s2, preemption_mode={mode!r}", seed.requests, seed.scheduler_config, seed.cache_config))
+    runs = seed_workloads()
     rng = random.Random(7)
     requests = [Request(f"r{i}", rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 6)) for i in range(8)]
     runs.append(("8 random requests, 7 GPU blocks of 3",

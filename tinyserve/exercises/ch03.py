@@ -12,10 +12,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from tinyserve import presets
 from tinyserve.block_manager import BlockSpaceManager, V04BlockSpaceManager
 from tinyserve.config import CacheConfig, SchedulerConfig
-from tinyserve.exercises.sched_runs import SimWorkload, check_runs, run_with_manager
+from tinyserve.exercises.sched_runs import SimWorkload, check_runs, run_with_manager, seed_workloads
 from tinyserve.exercises.verdict import checker, run_cases
 from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 from tinyserve.sim import Request
@@ -106,10 +105,7 @@ def _decode_state(cls: type, rng: random.Random) -> tuple[BlockSpaceManager, Seq
 
 
 def manager_workloads() -> list[SimWorkload]:
-    runs = []
-    for mode in ("swap", "recompute"):
-        seed = presets.seed_rounds(mode)
-        runs.append((f"s0/s1/s2, preemption_mode={mode!r}", seed.requests, seed.scheduler_config, seed.cache_config))
+    runs = seed_workloads()
     rng = random.Random(3)
     requests = [Request(f"r{i}", rng.randint(1, 8), rng.randint(1, 10), rng.randint(1, 5)) for i in range(8)]
     runs.append(("8 random requests, 8 GPU blocks of 2", requests,

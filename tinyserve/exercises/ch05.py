@@ -18,7 +18,7 @@ from tinyserve import presets
 from tinyserve.block import Device
 from tinyserve.block_manager import BlockSpaceManager
 from tinyserve.config import CacheConfig, SchedulerConfig
-from tinyserve.exercises.sched_runs import SimWorkload, check_runs, run_with_manager, scheduler_run
+from tinyserve.exercises.sched_runs import SimWorkload, check_runs, run_with_manager, scheduler_run, seed_workloads
 from tinyserve.exercises.verdict import checker, run_cases
 from tinyserve.scheduler import Scheduler
 from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
@@ -135,10 +135,7 @@ def _victim_lists(num_cases: int, seed: int) -> list[list[SequenceGroup]]:
 
 
 def victim_workloads() -> list[SimWorkload]:
-    runs = []
-    for mode in ("swap", "recompute"):
-        seed = presets.seed_rounds(mode)
-        runs.append((f"s0/s1/s2, preemption_mode={mode!r}", seed.requests, seed.scheduler_config, seed.cache_config))
+    runs = seed_workloads()
     rng = random.Random(11)
     for i, mode in enumerate(("swap", "recompute")):
         requests = [Request(f"r{j}", rng.randint(1, 8), rng.randint(2, 12), rng.randint(1, 4)) for j in range(7)]

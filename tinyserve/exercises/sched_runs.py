@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tinyserve import presets
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.exercises.verdict import run_cases
 from tinyserve.scheduler import Scheduler
@@ -81,6 +82,15 @@ def show_runs(runs: dict[str, list[RoundRecord]], tables: bool = False) -> None:
 
 
 SimWorkload = tuple[str, list[Request], SchedulerConfig, CacheConfig]  # (label, requests, configs)
+
+
+def seed_workloads() -> list[SimWorkload]:
+    """s0/s1/s2 under swap and under recompute preemption: every chapter 02-05 checker's first runs."""
+    runs = []
+    for mode in ("swap", "recompute"):
+        seed = presets.seed_rounds(mode)
+        runs.append((f"s0/s1/s2, preemption_mode={mode!r}", seed.requests, seed.scheduler_config, seed.cache_config))
+    return runs
 
 
 def check_runs(name: str, workloads: list[SimWorkload], reader: Callable[..., list[RoundRecord]],
