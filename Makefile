@@ -48,10 +48,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/roofline.py
 
 # The grid of workload shapes (chapter 11's heat map): about 12 minutes on 2 cores; `--full`
-# (all 12 cells, median of 3) takes about 2 hours and is run by hand.
+# (all 12 cells, median of 3) takes about 90 minutes and is run by hand.
 sweep: $(STAMP)
 	$(PY) benchmarks/sweep.py
-	$(PY) benchmarks/plot_sweep.py
+	$(PY) -m tinyserve.viz.figures figures  # the heat map is one of them
 
 gpu-check: $(STAMP)
 	bash scripts/gpu_check.sh

@@ -8,18 +8,20 @@
 - tinyserve's "vllm" policy, its "orca" policy and chunked prefill, against transformers
   ``generate`` (static left-padded batches) and ``generate_batch`` (continuous batching).
 
-Each cell has more requests than may run at once (1.5x, or 2x with ``--full``), so continuous
-batching has work to refill with. The systems run interleaved, cell by cell, repeat by repeat,
-so a slow spell of the shared machine hits all of them alike; a cell reports the median
-tokens/s of its repeats and their spread (min..max), and tinyserve's ratios to both
-transformers baselines.
+Each cell has 1.5 times more requests than may run at once, so continuous batching has work
+to refill with. The systems run interleaved, system by system within a cell, and the repeats
+are the outer loop (every cell once, then every cell again), so a slow spell of the shared
+machine hits all systems alike and an interrupted run still covers every cell. A cell reports
+the median tokens/s of its repeats and their spread (min..max), and tinyserve's ratios to both
+transformers baselines. The tables are rewritten after every cell.
 
     python benchmarks/sweep.py            # "bench": the 16-running half, 1 run each (~12 min, 2 quiet cores)
-    python benchmarks/sweep.py --full     # all 12 cells, median of 3 (hours on 2 CPU cores)
+    python benchmarks/sweep.py --full     # all 12 cells, median of 3 (about 90 min on 2 quiet cores)
     python benchmarks/sweep.py --quick    # 2 tiny cells (a smoke test)
 
 It writes ``throughput_sweep.csv`` and ``throughput_sweep.md`` to ``--out``
-(default ``benchmarks/results``); ``plot_sweep.py`` draws the heat map of ratios from the CSV.
+(default ``benchmarks/results``); ``make figures`` draws chapter 11's heat map of ratios from the CSV
+(``tinyserve.viz.sweep``), and ``tinyserve.lab.perf.sweep`` reads the targets off it.
 """
 
 from __future__ import annotations
@@ -42,11 +44,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from common import RESULTS_DIR, machine  # noqa: E402
 
 from tinyserve.lab import perf  # noqa: E402
+from tinyserve.lab.perf.sweep import BASELINES, OURS  # noqa: E402
 
 PROMPTS = {"short": (4, 16), "long": (16, 256)}
 OUTPUTS = {"8-64": (8, 64), "8-128": (8, 128), "uniform-64": (64, 64)}
-OURS = ("tinyserve", "tinyserve-orca", "tinyserve-chunked")
-BASELINES = ("generate", "generate_batch")
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,8 @@ def grid(preset: str) -> tuple[list[Cell], int]:
     if preset == "quick":
         return [Cell("short", "8-64", 4, 6), Cell("long", "uniform-64", 4, 4)], 1
     running = (16, 32) if preset == "full" else (16,)
-    # More requests than may run at once, so continuous batching has work to refill with;
-    # "bench" has 1.5x (24 requests) to fit ``make bench``'s 20 minutes, "full" twice as many.
-    factor = 2 if preset == "full" else 1.5
-    cells = [Cell(p, o, b, int(factor * b)) for b in running for p in PROMPTS for o in OUTPUTS]
+    # More requests than may run at once, so continuous batching has work to refill with.
+    cells = [Cell(p, o, b, b * 3 // 2) for b in running for p in PROMPTS for o in OUTPUTS]
     return cells, 3 if preset == "full" else 1
 
 
@@ -106,11 +105,18 @@ def cell_rows(cell: Cell, w: perf.Workload, runs: dict[str, list[perf.RunResult]
                    num_requests=cell.num_requests, prompt_tokens=w.prompt_tokens, output_tokens=w.output_tokens,
                    system=name, runs=len(res), tokens_per_s=round(med[name], 2), min_tokens_per_s=round(min(rates), 2),
                    max_tokens_per_s=round(max(rates), 2),
-                   same_outputs_as_tinyserve=round(perf.agreement(ref, res[0]), 3))
+                   same_outputs_as_tinyserve=round(perf.agreement(ref, res[0]), 3),
+                   # The work behind the rate (the same in every run; blank where unknown).
+                   forwards=_blank(res[0].forwards), prefill_forwards=_blank(res[0].prefill_forwards),
+                   decode_rows=_blank(res[0].decode_rows))
         for base in BASELINES:
             row[f"x_{base}"] = round(med[name] / med[base], 3) if name in OURS else ""
         rows.append(row)
     return rows
+
+
+def _blank(value: int | None) -> int | str:
+    return "" if value is None else value
 
 
 def markdown(rows: list[dict]) -> str:
@@ -147,31 +153,42 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     started = time.perf_counter()
     print(f"machine: {machine()}\nsweep {preset}: {len(cells)} cells x {repeats} runs, model {args.model}")
+    runs: dict[Cell, dict[str, list[perf.RunResult]]] = {}
+    workloads: dict[Cell, perf.Workload] = {}
     rows: list[dict] = []
-    for max_running in dict.fromkeys(c.max_running for c in cells):
-        systems = build_systems(args.model, max_running, args.quick)
-        tok = systems[0].llm.tokenizer
-        perf.compare(systems, perf.uniform_workload(tok, 2, 2, 4, 8, seed=1))  # warm-up, untimed
-        for i, cell in enumerate(c for c in cells if c.max_running == max_running):
-            w = cell.workload(tok, seed=i)
-            print(f"{w.name}: {w.num_requests} requests, {w.prompt_tokens} prompt tokens, "
-                  f"{w.output_tokens} to generate")
-            rows += cell_rows(cell, w, perf.compare(systems, w, repeats, log=print))
-        del systems
-        gc.collect()
+    for r in range(repeats):
+        for max_running in dict.fromkeys(c.max_running for c in cells):
+            systems = build_systems(args.model, max_running, args.quick)
+            tok = systems[0].llm.tokenizer
+            perf.compare(systems, perf.uniform_workload(tok, 2, 2, 4, 8, seed=1))  # warm-up, untimed
+            for i, cell in enumerate(cells):
+                if cell.max_running != max_running:
+                    continue
+                w = workloads.setdefault(cell, cell.workload(tok, seed=i))
+                print(f"run {r + 1}/{repeats} {w.name}: {w.num_requests} requests, {w.prompt_tokens} prompt "
+                      f"tokens, {w.output_tokens} to generate")
+                for name, res in perf.compare(systems, w, log=print).items():
+                    runs.setdefault(cell, {}).setdefault(name, []).extend(res)
+                rows = [row for c in cells if c in runs for row in cell_rows(c, workloads[c], runs[c])]
+                _write(rows, args, preset, repeats, round(time.perf_counter() - started, 1))
+            del systems
+            gc.collect()
+    print(markdown(rows))
+    print(f"wrote {args.out / 'throughput_sweep.csv'} ({time.perf_counter() - started:.1f} s)")
+    return rows
 
+
+def _write(rows: list[dict], args, preset: str, repeats: int, seconds: float) -> None:
+    """The CSV, the markdown table and the run's facts, as far as the sweep has got."""
     args.out.mkdir(parents=True, exist_ok=True)
     perf.write_results("throughput_sweep", rows, args.out)
-    seconds = round(time.perf_counter() - started, 1)
+    done = min(r["runs"] for r in rows)
     note = (f"Measured on {machine()}, model {args.model}, fp32 CPU, greedy with ignore_eos; "
-            f"tokens/s, median of {repeats} run(s) (min–max); {seconds} s in all.")
+            f"tokens/s, median of {done} run(s) (min–max); {seconds} s in all.")
     (args.out / "throughput_sweep.md").write_text(markdown(rows) + "\n\n" + note + "\n")
-    (args.out / "throughput_sweep_machine.json").write_text(
-        json.dumps(dict(machine=machine(), model=args.model, preset=preset, repeats=repeats, seconds=seconds),
-                   indent=1) + "\n")
-    print(markdown(rows))
-    print(f"wrote {args.out / 'throughput_sweep.csv'} ({seconds} s)")
-    return rows
+    facts = dict(machine=machine(), model=args.model, preset=preset, repeats=repeats, runs_done=done,
+                 cells=len({(r["prompts"], r["outputs"], r["max_running"]) for r in rows}), seconds=seconds)
+    (args.out / "throughput_sweep_machine.json").write_text(json.dumps(facts, indent=1) + "\n")
 
 
 if __name__ == "__main__":

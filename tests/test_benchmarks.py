@@ -5,6 +5,8 @@
 - ``throughput.py --quick`` on the tiny random model: all three systems generate exactly the
   requested tokens, and the same ones (greedy), and the CSVs the chapter reads are written.
 - Decode attention cut into sub-batches equals attention in one piece.
+- The sweep's reading (targets, the two factors, the explanations) on made-up tables, and the
+  README's sweep table against the committed CSV.
 """
 
 from __future__ import annotations
@@ -110,13 +112,93 @@ def test_sweep_quick_run_and_heat_map(tiny_model_dir: Path, tmp_path: Path):
         if not (r["system"] == "generate" and r["prompts"] == "long"):
             assert r["same_outputs_as_tinyserve"] == 1.0, r
         assert r["min_tokens_per_s"] <= r["tokens_per_s"] <= r["max_tokens_per_s"]
+        wanted = r["output_tokens"] - r["num_requests"]  # every token but the one each prefill makes
+        assert r["forwards"] >= r["output_tokens"] / r["max_running"]  # a pass makes one token per sequence
+        if r["system"] == "generate":
+            # A static batch decodes its longest request's length on every row.
+            assert r["decode_rows"] >= wanted and r["prefill_forwards"] == -(-r["num_requests"] // r["max_running"])
+        elif r["system"] == "generate_batch":
+            assert r["decode_rows"] == ""  # its passes are counted by a hook on the model, rows are not
+        else:
+            assert r["decode_rows"] == wanted, r  # nothing preempted: one decoding row per token
+            assert r["forwards"] >= max(1, r["prefill_forwards"]) and r["prefill_forwards"] >= 0
         if r["system"].startswith("tinyserve"):
             base = {b["system"]: b["tokens_per_s"] for b in saved
                     if (b["prompts"], b["outputs"]) == (r["prompts"], r["outputs"])}
             assert r["x_generate"] == pytest.approx(r["tokens_per_s"] / base["generate"], rel=1e-2)
     assert (tmp_path / "throughput_sweep.md").read_text().count("\n|") == 3  # separator + one line per cell
-    png = _load("plot_sweep").main(["--results", str(tmp_path), "--out", str(tmp_path / "sweep.png")])
-    assert png.stat().st_size > 0
+    from tinyserve.lab.perf import sweep as perf_sweep
+    from tinyserve.lab.perf.sweep import ratio_grid, shortfalls
+    from tinyserve.viz.sweep import draw_sweep_heatmap
+
+    cells, grid = ratio_grid(saved, "generate_batch")
+    assert [len(line) for line in grid] == [3, 3] and len(cells) == 2
+    assert {(s.cell, s.schedule, s.baseline) for s in shortfalls(saved)} == {
+        (cell, ours, base) for cell in cells for ours in perf_sweep.OURS for base in perf_sweep.BASELINES
+        if next(r for r in saved if (r["prompts"], r["outputs"], r["max_running"]) == cell and r["system"] == ours)
+        [f"x_{base}"] < perf_sweep.target(cell, base) - 0.005}  # x_ columns are rounded to 3 places
+    fig = draw_sweep_heatmap(saved)
+    assert len(fig.axes) == 3  # two heat maps and the colour bar
+
+
+def test_sweep_targets_and_shortfalls_on_a_made_up_table():
+    from tinyserve.lab.perf.sweep import shortfalls, target, work
+
+    def row(prompts, outputs, system, rate):
+        return dict(prompts=prompts, outputs=outputs, max_running=16, system=system, tokens_per_s=rate)
+
+    rows = []
+    for outputs, rates in [("8-64", (26, 39, 40, 20, 10)), ("uniform-64", (19, 30, 30, 20, 10))]:
+        names = ("tinyserve", "tinyserve-orca", "tinyserve-chunked", "generate", "generate_batch")
+        rows += [row("short", outputs, name, rate) for name, rate in zip(names, rates)]
+    assert target(("short", "8-64", 16), "generate") == 1.3
+    assert target(("short", "uniform-64", 16), "generate") == 1.0
+    assert target(("long", "uniform-64", 32), "generate_batch") == 2.0
+    missed = {(s.cell[1], s.schedule, s.baseline, round(s.ratio, 2)) for s in shortfalls(rows)}
+    # 26/20 meets 1.3 exactly; only the uniform cell's vllm policy misses (0.95x and 1.9x).
+    assert missed == {("uniform-64", "tinyserve", "generate", 0.95), ("uniform-64", "tinyserve", "generate_batch", 1.9)}
+    w = work(dict(forwards=10, prefill_forwards=2, decode_rows=40), num_requests=4, output_tokens=24)
+    assert w == dict(forwards=10, prefill_forwards=2, rows_per_pass=5.0, useful=0.5)
+
+
+def test_sweep_explanations_use_the_cells_own_counts():
+    from tinyserve.lab.perf.sweep import decompose, explain_cell, summary_table
+
+    def row(system, rate, forwards, prefill_forwards=0, decode_rows=0):
+        return dict(prompts="short", outputs="8-64", max_running=16, system=system, tokens_per_s=rate,
+                    num_requests=24, output_tokens=960, prompt_tokens=240, forwards=forwards,
+                    prefill_forwards=prefill_forwards, decode_rows=decode_rows)
+
+    rows = [row("tinyserve", 48.0, 100, 9, 936), row("tinyserve-orca", 60.0, 96, 1, 936),
+            row("tinyserve-chunked", 60.0, 96, 1, 936), row("generate", 40.0, 128, 2, 1872),
+            row("generate_batch", 40.0, 96)]
+    cells = {r["system"]: r for r in rows}
+    d = decompose(cells, "tinyserve", "generate")
+    # 960 tokens: tinyserve 20 s over 100 passes (200 ms each), generate 24 s over 128 (187.5 ms).
+    assert d["ms_ours"] == pytest.approx(200.0) and d["ms_base"] == pytest.approx(187.5)
+    assert d["passes"] == pytest.approx(1.28) and d["ratio"] == pytest.approx(d["passes"] * d["pass_cost"])
+    text = explain_cell(("short", "8-64", 16), rows, matmul_share=0.5)
+    assert "vllm policy 1.20× = 1.28× the passes (128 against 100) × 0.94× the time per pass" in text
+    assert "Static batching spent 50% of its decoding rows" in text  # 936 of 1872 rows were wanted
+    assert "passes are about even" in text and "at most 3.00×" in text  # 250 ms / (0.5 × 166.7 ms)
+    assert "up to 16 × 30 keys" in text  # (240 prompt tokens + 960 / 2) / 24 requests
+    assert "ran 9 passes of prompts alone (the orca policy 1)" in text
+    table = summary_table(rows)
+    assert "| short | 8-64 | 16 | 48.0 | **1.20×** | 1.50× | 1.50× | **1.20×** | **1.50×** | **1.50×** |" in table
+
+
+def test_readme_sweep_table_is_the_committed_sweep():
+    """The README shows the table ``summary_table`` makes from ``benchmarks/results``; rerunning
+    the sweep without updating the README fails here."""
+    import json
+
+    from tinyserve.lab.perf.sweep import summary_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert summary_table(perf.read_results("throughput_sweep")) in readme
+    facts = json.loads((perf.RESULTS_DIR / "throughput_sweep_machine.json").read_text())
+    assert facts["cells"] == 12 and facts["runs_done"] == 3, facts  # the full grid, median of 3
+    assert f"median of {facts['runs_done']} runs" in readme and facts["machine"] in readme
 
 
 def test_roofline_counts_every_matmul_weight_of_the_model(tiny_model_dir: Path):

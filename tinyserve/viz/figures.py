@@ -36,6 +36,7 @@ def _load_all() -> None:
     import tinyserve.viz.performance  # noqa: F401
     import tinyserve.viz.rounds  # noqa: F401
     import tinyserve.viz.slots  # noqa: F401
+    import tinyserve.viz.sweep  # noqa: F401
 
 
 def figures_dir() -> Path:

@@ -17,6 +17,7 @@ tests check it.
 
 from __future__ import annotations
 
+import abc
 import html
 from collections.abc import Sequence
 
@@ -28,7 +29,7 @@ from tinyserve.viz import widget_view as wv
 from tinyserve.viz.rounds import draw_round, request_colors
 
 
-class Stepper:
+class Stepper(abc.ABC):
     """Controls and one view over steps 1..n. Display it as the last expression of a cell."""
 
     noun = "step"                 # the slider's label, and how the text names a step
@@ -64,13 +65,13 @@ class Stepper:
     def num_steps(self) -> int:
         return self.slider.max
 
+    @abc.abstractmethod
     def step_columns(self, index: int) -> list[list[tuple[str, str]]]:
         """The text of step ``index`` (0-based): columns of (label, HTML value) pairs."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def draw_step(self, index: int, fig) -> None:
         """Draw step ``index`` (0-based) into the empty matplotlib Figure ``fig``."""
-        raise NotImplementedError
 
     def step_title(self, index: int) -> str:
         """A few words naming the step (the picture's alt text; the filmstrip's caption)."""

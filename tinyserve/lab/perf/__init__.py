@@ -3,7 +3,8 @@
 The benchmarks in ``benchmarks/`` run these and commit CSVs to ``benchmarks/results/``; chapter
 11 reads those CSVs, reruns a small version live, and ``tinyserve.viz.performance`` draws them.
 Each name is defined in one submodule (``workloads``, ``systems``, ``steps``, ``no_model``,
-``results``) and listed here so a benchmark script can use one namespace (``perf.compare``).
+``results``; ``sweep`` reads the sweep's table) and listed here so a benchmark script can use
+one namespace (``perf.compare``).
 """
 
 from __future__ import annotations

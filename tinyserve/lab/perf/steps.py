@@ -43,9 +43,12 @@ def split_steps(times: list[tuple], records: list, prepare: list[float]) -> list
     timed = iter(prepare)
     for (sched, model, sample, process), rec in zip(times, records):
         prep = next(timed, 0.0) if rec.batch else 0.0
+        # A decoding member brings one new token (a prompt chunk of exactly one token would count
+        # too; the benchmarks' prompts are longer than that).
+        decoding = len(rec.batch) if rec.phase == "decode" else sum(n == 1 for n in rec.chunk_sizes.values())
         rows.append(dict(step=len(rows) + 1, phase=rec.phase, batch_size=len(rec.batch),
-                         num_tokens=rec.num_batched_tokens, schedule=sched, prepare=prep, model=model - prep,
-                         sample=sample, process=process))
+                         decode_rows=decoding, num_tokens=rec.num_batched_tokens, schedule=sched,
+                         prepare=prep, model=model - prep, sample=sample, process=process))
     return rows
 
 

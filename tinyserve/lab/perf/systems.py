@@ -29,6 +29,10 @@ class RunResult:
     system: str
     seconds: float
     outputs: list[list[int]]  # generated token ids per request, in request order
+    # The work the run did, where the system can say (None: it can't, as for generate_batch):
+    forwards: int | None = None  # model forward passes
+    prefill_forwards: int | None = None  # passes that ran prompts and no decoding sequence
+    decode_rows: int | None = None  # sequence rows computed by decoding passes, wasted ones included
 
     @property
     def tokens(self) -> int:
@@ -85,7 +89,10 @@ class TinyserveSystem:
         finally:
             self.llm.engine.remove_callback(recorder)
         self.last_steps = split_steps(recorder.step_times, recorder.records, prepare)
-        return RunResult(self.name, seconds, [list(o.outputs[0].token_ids) for o in outs])
+        ran = [s for s in self.last_steps if s["batch_size"]]
+        return RunResult(self.name, seconds, [list(o.outputs[0].token_ids) for o in outs], forwards=len(ran),
+                         prefill_forwards=sum(s["phase"] == "prefill" for s in ran),
+                         decode_rows=sum(s["decode_rows"] for s in ran))
 
 
 class StaticGenerateSystem:
@@ -103,6 +110,7 @@ class StaticGenerateSystem:
     @torch.inference_mode()
     def run(self, w: Workload) -> RunResult:
         outputs: list[list[int]] = []
+        forwards = batches = rows = 0
         start = time.perf_counter()
         for b in range(0, w.num_requests, self.batch_size):
             prompts, lens = w.prompts[b:b + self.batch_size], w.output_lens[b:b + self.batch_size]
@@ -113,7 +121,11 @@ class StaticGenerateSystem:
             out = self.model.generate(input_ids=ids, attention_mask=mask,
                                       generation_config=_greedy_config(max(lens), self.pad_token_id))
             outputs += [row[width:width + n].tolist() for row, n in zip(out, lens)]
-        return RunResult(self.name, time.perf_counter() - start, outputs)
+            # One prefill pass, then a decoding pass per further token of the longest request,
+            # each over every row of the batch, finished or not.
+            batches, forwards, rows = batches + 1, forwards + max(lens), rows + len(lens) * (max(lens) - 1)
+        return RunResult(self.name, time.perf_counter() - start, outputs, forwards=forwards,
+                         prefill_forwards=batches, decode_rows=rows)
 
 
 class GenerateBatchSystem:
@@ -145,7 +157,9 @@ class GenerateBatchSystem:
         longest = max(len(p) + n for p, n in zip(w.prompts, w.output_lens))
         kwargs["num_blocks"] = min(kwargs["num_blocks"],
                                    kwargs["max_requests_per_batch"] * -(-longest // kwargs["page_size"]) + 1)
-        with self.model.continuous_batching_context_manager(
+        calls: list[int] = []  # one entry per forward pass the manager makes (its passes mix phases)
+        hook = self.model.register_forward_pre_hook(lambda *_: calls.append(1))
+        with hook, self.model.continuous_batching_context_manager(
                 generation_config=gen, continuous_batching_config=ContinuousBatchingConfig(**kwargs),
                 warmup=False) as manager:
             start = time.perf_counter()
@@ -161,7 +175,7 @@ class GenerateBatchSystem:
                 elif result is None and not manager.is_running():
                     raise RuntimeError("generate_batch's generation thread stopped")
             seconds = time.perf_counter() - start
-        return RunResult(self.name, seconds, [done[i] for i in ids])
+        return RunResult(self.name, seconds, [done[i] for i in ids], forwards=len(calls))
 
 
 def agreement(a: RunResult, b: RunResult) -> float:
