@@ -757,10 +757,21 @@ def _kv_utilization(prompt_lens, output_lens, block_size, count_finishing_round=
     return held / slots
 
 
-def _decode_chunks_by_length(context_lens, block_size, budget):  # forgets to round up to whole blocks
+def _decode_chunks_shortest_first(context_lens, block_size, budget):  # the package's order, not the exercise's
     chunks = [[]]
     for r in sorted(range(len(context_lens)), key=lambda r: context_lens[r]):
-        if chunks[-1] and (len(chunks[-1]) + 1) * context_lens[r] > budget:
+        width = -(-context_lens[r] // block_size) * block_size
+        if chunks[-1] and (len(chunks[-1]) + 1) * width > budget:
+            chunks.append([])
+        chunks[-1].append(r)
+    return [sorted(c) for c in chunks]
+
+
+def _decode_chunks_newest_width(context_lens, block_size, budget):  # pads to the row being added, the narrowest
+    chunks = [[]]
+    for r in sorted(range(len(context_lens)), key=lambda r: -context_lens[r]):
+        width = -(-context_lens[r] // block_size) * block_size
+        if chunks[-1] and (len(chunks[-1]) + 1) * width > budget:
             chunks.append([])
         chunks[-1].append(r)
     return [sorted(c) for c in chunks]
@@ -775,7 +786,8 @@ MISTAKES.update({
         functools.partial(_kv_utilization, count_finishing_round=True),  # holds blocks in the round it finishes
         lambda p, o, bs: 1.0,
     ],
-    "check_decode_chunks": [_decode_chunks_by_length, lambda c, bs, b: [list(range(len(c)))]],
+    "check_decode_chunks": [_decode_chunks_shortest_first, _decode_chunks_newest_width,
+                            lambda c, bs, b: [list(range(len(c)))]],
 })
 
 # -- chapter 12: prefix caching, chunked prefill, serving -----------------------------------------------

@@ -22,11 +22,11 @@ def kv_utilization(prompt_lens, output_lens, block_size):
 
 
 def decode_chunks(context_lens, block_size, budget):
-    # Sorted by length, the row being added is always its sub-batch's longest.
-    chunks = [[]]
-    for r in sorted(range(len(context_lens)), key=lambda r: context_lens[r]):
-        width = -(-context_lens[r] // block_size) * block_size
-        if chunks[-1] and (len(chunks[-1]) + 1) * width > budget:
+    # Longest first: a sub-batch's first row is its widest and sets its width.
+    chunks, width = [], 0
+    for r in sorted(range(len(context_lens)), key=lambda r: -context_lens[r]):  # sorted() is stable
+        if not chunks or (len(chunks[-1]) + 1) * width > budget:
             chunks.append([])
+            width = -(-context_lens[r] // block_size) * block_size
         chunks[-1].append(r)
     return [sorted(c) for c in chunks]

@@ -118,13 +118,14 @@ def _select(meta: AttentionMetadata, rows: list[int], cache_shape: torch.Size, g
 
 
 def plan_batch(meta: AttentionMetadata, cache_shape: torch.Size, num_heads: int,
-               budget: int = GATHER_BUDGET) -> list[SubBatch]:
-    """The sub-batches a packed batch is attended in (see the module docstring)."""
+               budget: int = GATHER_BUDGET, split=decode_sub_batches) -> list[SubBatch]:
+    """The sub-batches a packed batch is attended in (see the module docstring). ``split`` cuts
+    the decode rows (``decode_sub_batches``'s signature); any cut gives the same attention."""
     block_size, num_kv_heads, head_dim = cache_shape[1], cache_shape[2], cache_shape[3]
     group = num_heads // num_kv_heads
     decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
-    chunks = decode_sub_batches(decode_rows, meta.context_lens_list, block_size, num_kv_heads * head_dim,
-                                budget) if decode_rows else []
+    chunks = split(decode_rows, meta.context_lens_list, block_size, num_kv_heads * head_dim,
+                   budget) if decode_rows else []
     if meta.is_decode and len(chunks) == 1:
         # One query per sequence, already in order: no padding, no reordering.
         num_key_blocks = -(-meta.max_context_len // block_size)
@@ -185,12 +186,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 class BatchedTorchBackend:
     """The CPU-tuned PyTorch backend. ``gather_budget`` caps one decode sub-batch's gather
-    (values of K, or of V); it may be changed between steps."""
+    (values of K, or of V); it may be changed between steps. ``split`` is the rule that cuts a
+    decode batch into sub-batches (chapter 11's exercise 3 plugs its own in)."""
 
     name = "torch-batched"
 
-    def __init__(self, gather_budget: int = GATHER_BUDGET) -> None:
-        self.gather_budget = gather_budget
+    def __init__(self, gather_budget: int = GATHER_BUDGET, split=decode_sub_batches) -> None:
+        self.gather_budget, self.split = gather_budget, split
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -202,8 +204,9 @@ class BatchedTorchBackend:
             return torch.empty_like(q)
         # Planned on the first layer, kept with the batch for the others. The key holds
         # everything else the plan depends on, by value.
-        key = (self.name, tuple(k_cache.shape), q.shape[1], self.gather_budget)
+        key = (self.name, tuple(k_cache.shape), q.shape[1], self.gather_budget, self.split)
         plan = meta.per_batch.get(key)
         if plan is None:
-            plan = meta.per_batch[key] = plan_batch(meta, k_cache.shape, q.shape[1], self.gather_budget)
+            plan = meta.per_batch[key] = plan_batch(meta, k_cache.shape, q.shape[1], self.gather_budget,
+                                                    self.split)
         return run_plan(q, k_cache, v_cache, plan, scale)
