@@ -92,3 +92,22 @@ def test_names_resolve_to_the_two_torch_backends():
     assert isinstance(get_backend("torch"), reference.TorchBackend)
     assert isinstance(get_backend("torch-batched"), batched.BatchedTorchBackend)
     assert isinstance(get_backend("auto", "cpu"), batched.BatchedTorchBackend)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_any_cut_of_the_decode_rows_attends_the_same(seed):
+    """``split`` only decides which decode rows share a gather; a random partition, in a random
+    order, must give the reference's attention (chapter 11's exercise 3 relies on it)."""
+    import random
+
+    rng = random.Random(seed)
+
+    def random_cut(rows, context_lens, block_size, row_values, budget):
+        rows = rng.sample(rows, len(rows))
+        cuts = sorted(rng.sample(range(1, len(rows)), rng.randint(0, len(rows) - 1)))
+        return [sorted(rows[a:b]) for a, b in zip([0, *cuts], [*cuts, len(rows)])]
+
+    query_lens, context_lens = CASES["mixed" if seed % 2 else "decode"]
+    q, kc, vc, meta, _ = make_batch(query_lens, context_lens, 4, 32, 2, seed=seed)
+    got = batched.BatchedTorchBackend(split=random_cut).forward(q, kc, vc, meta, 0.2)
+    torch.testing.assert_close(got, reference.paged_attention(q, kc, vc, meta, 0.2), atol=2e-6, rtol=2e-6)
