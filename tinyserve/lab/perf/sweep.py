@@ -88,10 +88,14 @@ def decompose(cell_rows: dict[str, dict], ours: str, baseline: str) -> dict[str,
                 pass_cost=ms_per_pass(b) / ms_per_pass(a), ms_ours=ms_per_pass(a), ms_base=ms_per_pass(b))
 
 
+def _runs(row: dict) -> str:
+    return f"{row['min_tokens_per_s']:.0f}–{row['max_tokens_per_s']:.0f}"
+
+
 def explain_cell(cell: tuple[str, str, int], rows: list[dict], matmul_share: float) -> str:
     """Why the schedules that miss a target in ``cell`` miss it, from the sweep's own counts:
-    one line per baseline with each missing schedule's two factors (``decompose``), then the
-    reason those factors come out as they do.
+    for each baseline, every missing schedule's two factors (``decompose``) and the spread of the
+    runs, then the fact that sets those factors in this cell.
 
     ``matmul_share`` is the part of tinyserve's decode step spent in matmuls (section 11.10): the
     baseline runs the same matmuls, so it bounds how much cheaper tinyserve's pass can be."""
@@ -108,7 +112,8 @@ def explain_cell(cell: tuple[str, str, int], rows: list[dict], matmul_share: flo
             d = decompose(cells, s.schedule, base)
             parts.append(f"{SCHEDULES[s.schedule]} {d['ratio']:.2f}× = {d['passes']:.2f}× the passes "
                          f"({cells[base]['forwards']} against {cells[s.schedule]['forwards']}) × "
-                         f"{d['pass_cost']:.2f}× the time per pass ({d['ms_base']:.0f} against {d['ms_ours']:.0f} ms)")
+                         f"{d['pass_cost']:.2f}× the time per pass ({d['ms_base']:.0f} against {d['ms_ours']:.0f} ms; "
+                         f"runs {_runs(cells[s.schedule])} against {_runs(cells[base])} tok/s)")
         text.append(f"Below {mine[0].target:g}× {base}: " + "; ".join(parts) + ".")
         if base == "generate":
             useful = work(cells["generate"], n, out_tokens)["useful"]
@@ -117,22 +122,17 @@ def explain_cell(cell: tuple[str, str, int], rows: list[dict], matmul_share: flo
                                       else "; that waste is the whole of continuous batching's gain here."))
         else:
             d = decompose(cells, "tinyserve-orca", base)
-            even = 0.9 <= d["passes"] <= 1.1
             # Mean context of a request halfway through its output (what a decode pass attends to).
             context = (cells["tinyserve"]["prompt_tokens"] + out_tokens / 2) / n
-            text.append("generate_batch also refills its batch as requests finish" + (
-                ", so the passes are about even and the cost of one pass decides." if even else
-                f", yet it made {d['passes']:.2f}× as many passes as the orca policy.") +
-                f" Its attention scores each query against the keys of every sequence in the pass (11.5), "
-                f"up to {cell[2]} × {context:.0f} keys where tinyserve reads the query's own {context:.0f} "
-                f"or so; the matmuls are the same in both and take {matmul_share:.0%} of tinyserve's step "
-                f"(11.10, batch 32). With everything else free, the orca policy would reach at most "
-                f"{d['passes'] * d['ms_base'] / (matmul_share * d['ms_ours']):.2f}× here.")
+            passes = "about even" if 0.9 <= d["passes"] <= 1.1 else f"{d['passes']:.2f}× the orca policy's"
+            text.append(f"generate_batch's passes are {passes}; its attention reads up to {cell[2]} × "
+                        f"{context:.0f} keys per query where tinyserve reads about {context:.0f}; and with "
+                        f"everything but the matmuls free, the orca policy would reach at most "
+                        f"{d['passes'] * d['ms_base'] / (matmul_share * d['ms_ours']):.2f}×.")
     vllm, orca = cells["tinyserve"], cells["tinyserve-orca"]
     if any(s.schedule == "tinyserve" for s in missed) and vllm["prefill_forwards"] > orca["prefill_forwards"]:
-        text.append(f"The vllm policy ran {vllm['prefill_forwards']} passes of prompts alone (the orca policy "
-                    f"{orca['prefill_forwards']}): a prompt admitted while others decode gets a round of its own, "
-                    "which costs about as much as a decode step and yields one token per prompt.")
+        text.append(f"The vllm policy ran {vllm['prefill_forwards']} passes of prompts alone, the orca policy "
+                    f"{orca['prefill_forwards']}.")
     return " ".join(text)
 
 
