@@ -119,7 +119,7 @@ def explain_cell(cell: tuple[str, str, int], rows: list[dict], matmul_share: flo
             useful = work(cells["generate"], n, out_tokens)["useful"]
             text.append(f"Static batching spent {1 - useful:.0%} of its decoding rows on finished or padded "
                         "requests" + (", so continuous batching had little waste to remove." if useful > 0.9
-                                      else "; that waste is the whole of continuous batching's gain here."))
+                                      else "."))
         else:
             d = decompose(cells, "tinyserve-orca", base)
             # Mean context of a request halfway through its output (what a decode pass attends to).
