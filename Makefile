@@ -47,8 +47,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/profile_step.py
 	$(PY) benchmarks/roofline.py
 
-# The grid of workload shapes (chapter 11's heat map): about 12 minutes on 2 cores; `--full`
-# (all 12 cells, median of 3) takes about 90 minutes and is run by hand.
+# The grid of workload shapes (chapter 11's heat map): about 17 minutes on 2 cores; `--full`
+# (all 12 cells, median of 3) takes about 2 1/4 hours and is run by hand.
 sweep: $(STAMP)
 	$(PY) benchmarks/sweep.py
 	$(PY) -m tinyserve.viz.figures figures  # the heat map is one of them

@@ -15,8 +15,8 @@ machine hits all systems alike and an interrupted run still covers every cell. A
 the median tokens/s of its repeats and their spread (min..max), and tinyserve's ratios to both
 transformers baselines. The tables are rewritten after every cell.
 
-    python benchmarks/sweep.py            # "bench": the 16-running half, 1 run each (~12 min, 2 quiet cores)
-    python benchmarks/sweep.py --full     # all 12 cells, median of 3 (about 90 min on 2 quiet cores)
+    python benchmarks/sweep.py            # "bench": the 16-running half, 1 run each (~17 min, 2 quiet cores)
+    python benchmarks/sweep.py --full     # all 12 cells, median of 3 (135 min on 2 quiet cores)
     python benchmarks/sweep.py --quick    # 2 tiny cells (a smoke test)
 
 It writes ``throughput_sweep.csv`` and ``throughput_sweep.md`` to ``--out``
