@@ -48,14 +48,18 @@ from tinyserve.serve.protocol import (
     to_sampling_params,
     usage,
 )
+from tinyserve.serve.settings import ServerSettings
 
 log = logging.getLogger("tinyserve.serve")
 
 
-def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes: int | None = None) -> FastAPI:
+def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes: int | None = None,
+               settings: ServerSettings | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``; its lifespan starts and stops the engine loop.
 
-    ``max_body_bytes`` defaults to what the longest prompt that could fit needs (``RequestLimits``)."""
+    ``max_body_bytes`` defaults to what the longest prompt that could fit needs (``RequestLimits``);
+    ``settings`` are the server's limits and protections (``ServerSettings()`` by default)."""
+    settings = settings or ServerSettings()
     name = model_name or Path(str(engine.model_config.model)).name
     max_model_len = engine.scheduler_config.max_model_len
     vocab_size = engine.executor.loaded.hf_config.vocab_size
@@ -76,6 +80,7 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
 
     app = FastAPI(title="tinyserve", lifespan=lifespan)
     app.state.engine, app.state.tokenizer, app.state.limits = engine, tokenizer, limits
+    app.state.settings = settings
     registry = make_registry(lambda: state["loop"].stats if "loop" in state else EngineStats())
 
     @app.exception_handler(APIError)
