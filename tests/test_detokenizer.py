@@ -13,7 +13,7 @@ import random
 import pytest
 from conftest import make_tiny_tokenizer
 
-from tinyserve.detokenizer import REPLACEMENT_CHAR, detokenize_incrementally, find_stop_string
+from tinyserve.detokenizer import MAX_PENDING_TOKENS, REPLACEMENT_CHAR, detokenize_incrementally, find_stop_string
 from tinyserve.sequence import Sequence
 
 MULTILINGUAL = ["日本の首都は東京です。富士山は美しい。", "I ❤️ paging 🚀🔥 and KV caches 👩‍💻!",
@@ -131,3 +131,39 @@ def test_only_the_new_text_and_an_overlap_are_searched():
     assert find_stop_string(text, new, ["p again"]) == text.index("p again")
     assert find_stop_string(text, new, ["stop a"]) == text.index("stop a")
     assert find_stop_string(text, 0, ["again"]) == -1  # nothing new, nothing to find
+
+
+# -- outputs that never complete a character (issue 21: quadratic detokenizing) -----------------
+
+def counting(tokenizer, calls: list[int]):
+    """The tokenizer, counting the ids each decode call is given."""
+    class Counting:
+        def decode(self, ids, skip_special_tokens=False):
+            calls.append(len(ids))
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return Counting()
+
+
+def test_bytes_that_never_complete_a_character_cost_linear_time(tiny_tokenizer):
+    """A lone continuation byte, 2,000 times: no character ever completes. Each step once decoded
+    every token since the last complete character (8,000 such tokens took 10 s)."""
+    byte = next(i for i in range(len(tiny_tokenizer)) if tiny_tokenizer.decode([i, i]) == REPLACEMENT_CHAR * 2)
+    calls: list[int] = []
+    pieces = stream(counting(tiny_tokenizer, calls), [byte] * 2000)
+    assert max(calls) <= 2 * MAX_PENDING_TOKENS + 2  # the window stays short
+    text = "".join(pieces)
+    assert set(text) == {REPLACEMENT_CHAR} and len(text) >= 2000 - MAX_PENDING_TOKENS  # emitted as it goes
+    # Bytes that do complete characters still come out whole, right after such garbage.
+    calls.clear()
+    pieces = stream(tiny_tokenizer, [byte] * 30 + tiny_tokenizer.encode("日本 ok"))
+    assert "".join(pieces).endswith("日本 ok") and not "".join(pieces).strip(REPLACEMENT_CHAR).count(REPLACEMENT_CHAR)
+
+
+def test_tokens_that_decode_to_nothing_stop_being_decoded_again(tiny_tokenizer):
+    """Special tokens skipped in the text (an EOS, repeated under ignore_eos) emit nothing; they
+    must not stay in the window for ever either."""
+    calls: list[int] = []
+    ids = [tiny_tokenizer.eos_token_id] * 2000 + tiny_tokenizer.encode(" the end")
+    pieces = stream(counting(tiny_tokenizer, calls), ids)
+    assert max(calls) <= 2 * MAX_PENDING_TOKENS + 2
+    assert "".join(pieces) == tiny_tokenizer.decode(ids, skip_special_tokens=True)

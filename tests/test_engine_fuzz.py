@@ -154,8 +154,10 @@ def test_engine_fuzz(tiny_model_dir, pool, reference):
                 assert pool[r["index"]][1].n > 1 or "longer than" in out.error, f"{where}: {out.error}"
                 seen["refused"] += 1
         assert_clean(engine)
-    # The fuzz must reach every outcome, or it tests less than it claims.
-    assert all(count > 0 for count in seen.values()), seen
+    # The fuzz must reach every outcome, or it tests less than it claims. Giving a group up is
+    # the exception: a recomputable group now leaves in its place (issue 21), which saves every
+    # group here; test_never_fits plays the case where none can.
+    assert all(count > 0 for name, count in seen.items() if name != "given_up"), seen
     assert seen["compared"] > NUM_CASES
 
 

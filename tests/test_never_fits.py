@@ -184,6 +184,44 @@ def test_a_full_swap_space_fails_no_one_else(mode, cpu):
     assert_all_free(sched)
 
 
+def test_samples_that_cannot_be_swapped_make_a_single_sample_request_leave_instead():
+    """Issue 21: with no swap space and three long single-sample requests running, a request for
+    two samples was given up (and its client told it could never fit) when the cache filled,
+    though alone it runs. A group that can be recomputed leaves in its place."""
+    sched = make_scheduler(gpu=40, cpu=0, max_num_seqs=8)
+    singles = [add(sched, f"s{i}", 8, max_tokens=40) for i in range(3)]
+    pair = add(sched, "pair", 4, n=2, max_tokens=30)
+    outs = run_to_end(sched)
+    assert ignored(outs) == [] and pair.error is None
+    assert any(out.preempted for out in outs) and "pair" not in {r for out in outs for r in out.preempted}
+    assert all(s.get_output_len() == 30 for s in pair.get_seqs()) and len(pair.get_seqs()) == 2
+    assert all(g.get_seqs()[0].get_output_len() == 40 for g in singles)
+    assert_all_free(sched)
+
+
+def test_a_recomputable_group_already_given_its_slot_leaves_for_the_newest_that_cannot():
+    """The pair is the newest running group, so it asks for its blocks last, after the older
+    groups got their slots in this round: one of those gives its place back and is recomputed."""
+    sched = make_scheduler(gpu=10, cpu=0, max_num_seqs=8, block_size=4)
+    older = [add(sched, f"s{i}", 5, max_tokens=9) for i in range(2)]  # 5 + 9 tokens: 4 blocks each
+    pair = add(sched, "pair", 4, n=2, max_tokens=8)  # 1 prompt block, then 2 blocks per sample
+    outs = run_to_end(sched)
+    assert pair.error is None and all(s.get_output_len() == 8 for s in pair.get_seqs())
+    assert all(g.get_seqs()[0].get_output_len() == 9 for g in older)
+    assert any(set(out.preempted) & {"s0", "s1"} for out in outs)
+    assert_all_free(sched)
+
+
+def test_when_only_multi_sample_groups_run_one_is_given_up_as_retryable():
+    sched = make_scheduler(gpu=12, cpu=0, max_num_seqs=8, block_size=4)
+    pairs = [add(sched, f"p{i}", 4, n=2, max_tokens=16) for i in range(2)]
+    outs = run_to_end(sched)
+    assert ignored(outs) == ["p1"]
+    assert pairs[1].retryable and "CPU swap space is full" in pairs[1].error
+    assert pairs[0].error is None and all(s.get_output_len() == 16 for s in pairs[0].get_seqs())
+    assert_all_free(sched)
+
+
 # -- random workloads ----------------------------------------------------------------------------
 
 @st.composite
@@ -227,9 +265,15 @@ def test_random_workloads_never_idle_never_hang_never_leak(workload):
         if round_no > max(r["arrival"] for r in requests) and not sched.has_unfinished_seqs():
             break
         had_work = sched.has_unfinished_seqs()
+        recomputable = {g.request_id for g in sched.running if len(g.get_unfinished_seqs()) == 1}
         _, out = play_round(sched)
         # Never a round that does nothing while work is left (the spin of issue 12).
         assert not had_work or not out.is_empty() or out.ignored_seq_groups or out.preempted
+        # A group is given up for memory only once every group that could be recomputed in its
+        # place has been (issue 21), and then it is the server's fault: retryable.
+        for g in out.ignored_seq_groups:
+            if "CPU swap space is full" in (g.error or ""):
+                assert g.retryable and recomputable <= set(out.preempted), (g.request_id, recomputable, out.preempted)
     else:
         raise AssertionError("the workload did not finish within 1000 rounds")
     assert_all_free(sched)

@@ -13,6 +13,12 @@ from __future__ import annotations
 from tinyserve.sequence import Sequence
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
+# A UTF-8 character has at most 4 bytes and every token carries at least one, so a character that
+# is still incomplete began in one of the last 3 tokens. Tokens held back longer than this can
+# never complete one: they are invalid bytes, and are emitted as U+FFFD rather than decoded again
+# every step (which would cost time quadratic in the length of such an output).
+MAX_PENDING_TOKENS = 8
+MAX_CHAR_TOKENS = 3
 
 
 def detokenize_incrementally(tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> str:
@@ -24,16 +30,27 @@ def detokenize_incrementally(tokenizer, seq: Sequence, skip_special_tokens: bool
     start of a text (SentencePiece drops its leading space). The new text is the decode of
     ``[prefix_offset:]`` minus the decode of ``[prefix_offset:read_offset]``. If it ends in
     U+FFFD, a character is still incomplete: nothing is emitted and the offsets stay, so the
-    next token is decoded together with the bytes it completes.
+    next token is decoded together with the bytes it completes. Bytes that stay incomplete for
+    more than ``MAX_PENDING_TOKENS`` tokens are not a character: they are emitted as U+FFFD; tokens
+    that decode to nothing (skipped special tokens) stop being decoded again after as many.
     """
     ids = seq.output_token_ids
     prefix_text = (tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip_special_tokens)
                    if seq.read_offset > seq.prefix_offset else "")
-    text = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
-    if len(text) <= len(prefix_text) or text.endswith(REPLACEMENT_CHAR):
+    end = len(ids)
+    stale = end - seq.read_offset > MAX_PENDING_TOKENS  # held back too long to be a character in the making
+    text = tokenizer.decode(ids[seq.prefix_offset:end], skip_special_tokens=skip_special_tokens)
+    if text.endswith(REPLACEMENT_CHAR):
+        if not stale:
+            return ""
+        # Give up on all but the tokens that could still begin a character, so that the window
+        # decoded every step stays bounded.
+        end -= MAX_CHAR_TOKENS
+        text = tokenizer.decode(ids[seq.prefix_offset:end], skip_special_tokens=skip_special_tokens)
+    new_text = text[len(prefix_text):] if len(text) > len(prefix_text) else ""
+    if not new_text and not stale:  # nothing yet (a skipped special token, say): decode it again later
         return ""
-    new_text = text[len(prefix_text):]
-    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    seq.prefix_offset, seq.read_offset = seq.read_offset, end
     seq.output_text += new_text
     return new_text
 

@@ -19,7 +19,14 @@ from tinyserve.cache_engine import CacheEngine
 from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tinyserve.detokenizer import detokenize_incrementally, find_stop_string
 from tinyserve.models.loader import check_max_model_len
-from tinyserve.outputs import CompletionOutput, RequestOutput, StepCallback, StepEvent, StepTimes
+from tinyserve.outputs import (  # noqa: F401 (CompletionOutput is re-exported)
+    CompletionOutput,
+    OutputBuilder,
+    RequestOutput,
+    StepCallback,
+    StepEvent,
+    StepTimes,
+)
 from tinyserve.sampler import Sampler, SampleRequest
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.scheduler import Scheduler
@@ -69,6 +76,7 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
         self._callbacks: list[StepCallback] = []
         self._groups: dict[str, SequenceGroup] = {}
+        self._outputs = OutputBuilder()  # each request's outputs in the kind it asked for
         self._generators: dict[int, torch.Generator] = {}
         self._seq_ids = itertools.count()
         self.recorder = None
@@ -131,6 +139,7 @@ class LLMEngine:
         if group is not None:
             for seq in group.get_seqs():
                 self._generators.pop(seq.seq_id, None)
+            self._outputs.forget(group)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()
@@ -164,8 +173,8 @@ class LLMEngine:
                 produced += self._take_samples(group, seq, tokens)
         finished = [m.request_id for m in metas if self._groups[m.request_id].is_finished()]
         self.scheduler.free_finished_seq_groups()
-        outputs = [self._output(self._groups[m.request_id]) for m in metas]
-        outputs += [self._output(g) for g in out.ignored_seq_groups]
+        groups = [self._groups[m.request_id] for m in metas] + out.ignored_seq_groups
+        outputs = [o for o in map(self._outputs.build, groups) if o is not None]
         for rid in finished + [g.request_id for g in out.ignored_seq_groups]:
             self._release(rid)
         times = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
@@ -224,13 +233,6 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED_ABORTED
             seq.finish_message = message
             self.scheduler.free_seq(seq)
-
-    @staticmethod
-    def _output(group: SequenceGroup) -> RequestOutput:
-        completions = [CompletionOutput(i, s.output_text, list(s.output_token_ids), s.status.finish_reason)
-                       for i, s in enumerate(group.get_seqs())]
-        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids), completions,
-                             group.is_finished(), group.error)
 
 
 def __getattr__(name: str):

@@ -86,6 +86,9 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         if len(params) != n:
             raise ValueError(f"{n} prompts but {len(params)} SamplingParams")
+        if any(isinstance(p, SamplingParams) and p.output_kind == "delta" for p in params):
+            raise ValueError("output_kind='delta' is for callers of LLMEngine.step, who add the pieces up; "
+                             "generate returns each request's whole output")
         ids = []
         try:
             for i in range(n):

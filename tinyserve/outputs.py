@@ -1,7 +1,11 @@
 """What the engine reports: per request after every step, and per step to its callbacks.
 
-``RequestOutput`` and ``CompletionOutput`` follow vLLM's ``vllm/outputs.py``. ``StepEvent`` is
-what ``LLMEngine.add_callback`` observers receive; ``StepTimes`` sums where the steps' time went.
+``RequestOutput`` and ``CompletionOutput`` follow vLLM's ``vllm/outputs.py``; ``OutputBuilder``
+makes them in the kind each request asked for (``SamplingParams.output_kind``): the whole output
+so far (vLLM v0.4's only kind), only what is new, or one output at the end. A server streaming a
+long answer wants the new part only: copying every sequence's whole token list at every step
+costs time and memory in proportion to the length, at every step. ``StepEvent`` is what
+``LLMEngine.add_callback`` observers receive; ``StepTimes`` sums where the steps' time went.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ from tinyserve.sequence import Sequence, SequenceGroup
 @dataclass
 class CompletionOutput:
     index: int
-    text: str
-    token_ids: list[int]
+    text: str  # with output_kind="delta": only the text that is new since the last output
+    token_ids: list[int]  # likewise
     finish_reason: str | None  # "stop" | "length" | "abort" | "ignored" | None while running
 
 
@@ -29,6 +33,50 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None  # why the request was ignored or failed
+    retryable: bool = False  # the engine gave up for lack of memory now, not because of the request
+
+
+class OutputBuilder:
+    """Builds a request's RequestOutput after a step, in the request's ``output_kind``.
+
+    For ``"delta"`` it remembers, per sequence, how many tokens and characters it has reported.
+    New text is held back while it could still turn into a stop string (the engine cuts a stop
+    string out of the text when it completes), so a delta is never taken back: the deltas of a
+    sequence add up to its final text and token ids.
+    """
+
+    def __init__(self) -> None:
+        self._reported: dict[int, tuple[int, int]] = {}  # seq_id -> (tokens, characters) reported
+
+    def build(self, group: SequenceGroup) -> RequestOutput | None:
+        """The output for ``group`` now, or None when its kind has nothing to report yet."""
+        kind = group.sampling_params.output_kind
+        if kind == "final_only" and not group.is_finished():
+            return None
+        if kind == "delta":
+            holdback = max((len(s) for s in group.sampling_params.stop), default=1) - 1
+            completions = [self._delta(i, s, holdback) for i, s in enumerate(group.get_seqs())]
+        else:
+            completions = [CompletionOutput(i, s.output_text, list(s.output_token_ids), s.status.finish_reason)
+                           for i, s in enumerate(group.get_seqs())]
+        # A prompt never changes once added: only the cumulative kind (a snapshot to keep) copies it.
+        prompt_ids = list(group.prompt_token_ids) if kind == "cumulative" else group.prompt_token_ids
+        return RequestOutput(group.request_id, group.prompt, prompt_ids, completions, group.is_finished(),
+                             group.error, group.retryable)
+
+    def _delta(self, index: int, seq: Sequence, holdback: int) -> CompletionOutput:
+        tokens, chars = self._reported.get(seq.seq_id, (0, 0))
+        text, ids = seq.output_text, seq.output_token_ids
+        # A stop string found later begins at most holdback characters before the text reported
+        # now ends, so what is reported stays text (the cut never reaches back into it).
+        end = len(text) if seq.is_finished() else max(chars, len(text) - holdback)
+        self._reported[seq.seq_id] = (len(ids), end)
+        return CompletionOutput(index, text[chars:end], ids[tokens:], seq.status.finish_reason)
+
+    def forget(self, group: SequenceGroup) -> None:
+        """The request is done (finished or aborted): drop what was remembered of it."""
+        for seq in group.get_seqs():
+            self._reported.pop(seq.seq_id, None)
 
 
 @dataclass

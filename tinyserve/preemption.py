@@ -3,7 +3,10 @@ group leaves the GPU, by swapping its blocks to CPU memory or by dropping them t
 
 ``PreemptionMixin`` is the part of the ``Scheduler`` that decides how (``_preemption_mode``)
 and does it (``_preempt``); which group goes is ``Scheduler.choose_victim``'s choice, by
-default ``preempt_newest``, vLLM's.
+default ``preempt_newest``, vLLM's. A victim that cannot leave (its samples cannot be recomputed
+and swap space is full) would have to be given up; while a group that can be recomputed is
+running, that one leaves in its place (``_stand_in``), so memory pressure never fails a request
+that another one's leaving could save.
 """
 
 from __future__ import annotations
@@ -52,6 +55,24 @@ class PreemptionMixin:
         prompt is still being prefilled in pieces has one sequence too, whatever its n.)"""
         return len(group.get_unfinished_seqs()) == 1
 
+    def _cannot_leave(self, group: SequenceGroup) -> bool:
+        """Preempting the group would mean giving it up: it must be swapped, and cannot be."""
+        return (self._preemption_mode(group) == PreemptionMode.SWAP and not self._recomputable(group)
+                and not self.block_manager.can_swap_out(group))
+
+    def _stand_in(self, victim: SequenceGroup, candidates: list[SequenceGroup],
+                  scheduled: deque[SequenceGroup]) -> SequenceGroup | None:
+        """The group to preempt instead of ``victim`` when ``victim`` cannot leave: the newest
+        recomputable one among the candidates, else among the groups already given their slot
+        this round (``scheduled``, newest last). None when there is none, or no need."""
+        if not self._cannot_leave(victim):
+            return None
+        for pool in (candidates, scheduled):
+            for group in reversed(pool):
+                if group is not victim and self._recomputable(group):
+                    return group
+        return None
+
     def _preempt(self, group: SequenceGroup, out: SchedulerOutputs, budget: SchedulingBudget) -> None:
         budget.subtract_seqs(group.get_max_num_running_seqs())  # it leaves `running`, whatever happens
         mode = self._preemption_mode(group)
@@ -59,7 +80,9 @@ class PreemptionMixin:
             # CPU swap space is full (or there is none). That must not fail every request in
             # flight: recompute the group if it can be, otherwise give up on this group alone.
             if not self._recomputable(group):
-                self._give_up(group, out, refusals.cannot_preempt(group, self.block_manager))
+                # Only for lack of memory now (no group that could be recomputed was running):
+                # the same request may well run later.
+                self._give_up(group, out, refusals.cannot_preempt(group, self.block_manager), retryable=True)
                 return
             mode = PreemptionMode.RECOMPUTE
         out.preempted.append(group.request_id)
@@ -76,3 +99,18 @@ class PreemptionMixin:
         # (FCFS when they come back) and `running` in arrival order after they do.
         self.swapped.appendleft(group)
         out.swapped_out.append(group.request_id)
+
+    def _unschedule(self, group: SequenceGroup, kept: deque[SequenceGroup], out: SchedulerOutputs,
+                    budget: SchedulingBudget) -> None:
+        """Take back a running group's place in this round (it is about to be preempted)."""
+        kept.remove(group)
+        scheduled = next(s for s in out.scheduled_seq_groups if s.seq_group is group)
+        out.scheduled_seq_groups.remove(scheduled)
+        budget.add(num_new_tokens=-scheduled.num_batched_tokens)
+        out.num_batched_tokens = budget.num_batched_tokens
+        # A copy-on-write its slot needed is moot once its blocks are freed.
+        mine = {b for seq in group.get_seqs(SequenceStatus.RUNNING) for b in self.block_manager.get_block_table(seq)}
+        for src in list(out.blocks_to_copy):
+            out.blocks_to_copy[src] = [dst for dst in out.blocks_to_copy[src] if dst not in mine]
+            if not out.blocks_to_copy[src]:
+                del out.blocks_to_copy[src]

@@ -86,15 +86,16 @@ class RefusalMixin:
         self.waiting.popleft()
         self._give_up(group, out, reason)
 
-    def _give_up(self, group: SequenceGroup, out: SchedulerOutputs, reason: str) -> None:
+    def _give_up(self, group: SequenceGroup, out: SchedulerOutputs, reason: str, retryable: bool = False) -> None:
         """Finish a group the scheduler cannot run, as ignored, with the reason in ``group.error``.
 
         The caller has taken it off its queue. Whatever the group holds is freed; sequences that
         already finished keep their own status, and the others keep the tokens they generated.
         "ignored" (rather than "abort", which is what a client asks for) tells the client that
-        the engine refused the request, and ``error`` says why.
+        the engine refused the request, and ``error`` says why; ``retryable`` that it was for
+        lack of memory at the time, not because of the request.
         """
-        group.error = reason
+        group.error, group.retryable = reason, retryable
         for seq in group.get_unfinished_seqs():
             seq.status = SequenceStatus.FINISHED_IGNORED
             seq.finish_message = reason

@@ -16,6 +16,9 @@ MAX_INT32 = 2**31 - 1
 MAX_SEED = 2**63 - 1
 MAX_N = 1024
 MIN_TEMPERATURE = 1e-5
+# What each RequestOutput of a request carries (vLLM's RequestOutputKind, from its later versions):
+# everything so far, only what is new since the request's last output, or one output at the end.
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 def _is_int(value) -> bool:
@@ -53,6 +56,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    output_kind: str = "cumulative"  # one of OUTPUT_KINDS
 
     def __post_init__(self) -> None:
         self.verify()
@@ -88,6 +92,8 @@ class SamplingParams:
             # Sample i of a request draws from a generator seeded with seed + i.
             _check_int("seed", self.seed, 0, MAX_SEED - (self.n - 1),
                        extra=f" (seed + n - 1 must not exceed {MAX_SEED})" if self.n > 1 else "")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if self.n > 1 and self.temperature == 0:
             raise ValueError("n > 1 needs temperature > 0: greedy samples would all be identical")
 

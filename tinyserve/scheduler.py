@@ -245,6 +245,14 @@ class Scheduler(SplitPrefillMixin, PreemptionMixin, RefusalMixin, PostprocessMix
             # <<<
             while not self.block_manager.can_append_slot(group):
                 victim = self.choose_victim([group, *remaining])  # by default the newest
+                # >>> chapter 05: a victim that cannot leave
+                stand_in = self._stand_in(victim, [group, *remaining], kept)
+                if stand_in is not None and stand_in in kept:
+                    self._unschedule(stand_in, kept, out, budget)
+                    self._preempt(stand_in, out, budget)
+                    continue
+                victim = stand_in or victim
+                # <<<
                 if victim is group:
                     self._preempt(group, out, budget)
                     break

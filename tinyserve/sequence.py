@@ -156,6 +156,8 @@ class SequenceGroup:
         self.arrival_time = arrival_time
         # Set when the group was ignored (prompt too long, can never fit): tells the user why.
         self.error: str | None = None
+        # Set with error when the engine gave up for lack of memory now (a retry may succeed).
+        self.retryable = False
 
     @property
     def prompt(self) -> str | None:

@@ -21,7 +21,8 @@ from tinyserve.exercises.verdict import checker, run_cases
 from tinyserve.outputs import CompletionOutput, RequestOutput
 from tinyserve.prefix_cache import PrefixCachingBlockSpaceManager
 from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
-from tinyserve.serve.protocol import stream_events
+from tinyserve.serve.mailbox import Mailbox
+from tinyserve.serve.streaming import stream_events
 from tinyserve.sim import Request, simulate
 
 _body_repr = reprlib.Repr()
@@ -119,18 +120,36 @@ def _outputs(rng: random.Random, n: int) -> list[RequestOutput]:
 
 def stream_body(outputs: list[RequestOutput], chat: bool, include_usage: bool, n: int,
                 stop: list[str] | None = None) -> str:
-    """The text/event-stream body the server sends for this sequence of engine outputs."""
+    """The text/event-stream body the server sends for this sequence of engine outputs (whole
+    outputs so far, as ``output_kind="cumulative"`` gives them; the server streams the deltas)."""
     async def collect() -> str:
-        queue: asyncio.Queue = asyncio.Queue()
-        for out in outputs[1:]:
-            queue.put_nowait(out)
+        deltas = _deltas(outputs)
+        mailbox = Mailbox(delta=True)
+        for out in deltas[1:]:
+            mailbox.put(out)
         params = SamplingParams(n=n, temperature=1.0 if n > 1 else 0.0, stop=stop)
-        events = stream_events(_NoLoop(), "cmpl-1", queue, outputs[0], params, 0, chat, "tiny", include_usage)
+        events = stream_events(_NoLoop(), "cmpl-1", mailbox, deltas[0], params, 0, chat, "tiny", include_usage)
         return "".join([e async for e in events])
 
     # A thread of its own, so this works where an event loop is already running (a notebook).
     with ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, collect()).result()
+
+
+def _deltas(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Whole outputs so far, as the deltas ``output_kind="delta"`` would have given."""
+    seen: dict[int, CompletionOutput] = {}
+    deltas = []
+    for out in outputs:
+        pieces = []
+        for c in out.outputs:
+            old = seen.get(c.index, CompletionOutput(c.index, "", [], None))
+            pieces.append(CompletionOutput(c.index, c.text[len(old.text):], c.token_ids[len(old.token_ids):],
+                                           c.finish_reason))
+            seen[c.index] = c
+        deltas.append(RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, pieces, out.finished,
+                                    out.error))
+    return deltas
 
 
 @checker(chapter=12, answer="stream_text")

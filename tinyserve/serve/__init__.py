@@ -4,11 +4,12 @@ Requests arrive at any moment; the engine only moves forward when someone calls 
 The server is three small pieces:
 
 - ``loop.EngineLoop``: one background task that steps the engine for as long as any request is
-  unfinished, in a worker thread so the event loop keeps accepting connections, and hands every
-  ``RequestOutput`` to a per-request queue. A new request joins the running batch at the next
-  step: continuous batching, seen from outside.
-- ``protocol``: OpenAI's request bodies, its error body, and its streaming chunk format
-  (server-sent events ending with ``data: [DONE]``).
+  unfinished, in a worker thread so the event loop keeps accepting connections, and leaves every
+  ``RequestOutput`` in its request's ``mailbox.Mailbox``, where outputs not yet taken merge. A new
+  request joins the running batch at the next step: continuous batching, seen from outside.
+- ``protocol``: OpenAI's request bodies and its error body; ``streaming``: its chunk format
+  (server-sent events ending with ``data: [DONE]``) from the engine's delta outputs, and a
+  response that aborts a request whose client stops reading.
 - ``app.create_app``: the FastAPI app with ``/v1/completions``, ``/v1/chat/completions`` (the
   model's chat template), ``/v1/models``, ``/health`` and ``/metrics``. A client that disconnects
   has its request aborted, which frees its blocks; invalid requests get a 400 with OpenAI's error
@@ -22,6 +23,8 @@ and notebooks.
 from tinyserve.serve.app import ServerThread, create_app
 from tinyserve.serve.cli import main, parser
 from tinyserve.serve.loop import EngineLoop
-from tinyserve.serve.protocol import APIError, stream_events
+from tinyserve.serve.protocol import APIError
+from tinyserve.serve.settings import ServerSettings
+from tinyserve.serve.streaming import stream_events
 
-__all__ = ["APIError", "EngineLoop", "ServerThread", "create_app", "main", "parser", "stream_events"]
+__all__ = ["APIError", "EngineLoop", "ServerSettings", "ServerThread", "create_app", "main", "parser", "stream_events"]

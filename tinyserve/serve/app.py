@@ -24,13 +24,14 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from tinyserve.engine import LLMEngine, RequestOutput
 from tinyserve.sequence import SamplingParams
 from tinyserve.serve.loop import EngineLoop
+from tinyserve.serve.mailbox import Mailbox
 from tinyserve.serve.metrics import EngineStats, make_registry
 from tinyserve.serve.protocol import (
     APIError,
@@ -44,11 +45,11 @@ from tinyserve.serve.protocol import (
     output_error,
     parse_body,
     reject_unsupported,
-    stream_events,
     to_sampling_params,
     usage,
 )
 from tinyserve.serve.settings import ServerSettings
+from tinyserve.serve.streaming import StallGuardedStream, stream_events
 
 log = logging.getLogger("tinyserve.serve")
 
@@ -193,13 +194,13 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
     return app
 
 
-async def _next(request: Request, loop: EngineLoop, request_id: str, queue: asyncio.Queue) -> RequestOutput | None:
+async def _next(request: Request, loop: EngineLoop, request_id: str, mailbox: Mailbox) -> RequestOutput | None:
     """The request's next output, or None if the client went away first (its request is aborted)."""
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    getter = asyncio.ensure_future(queue.get())
+    getter = asyncio.ensure_future(mailbox.get())
     watcher = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -217,22 +218,28 @@ async def _next(request: Request, loop: EngineLoop, request_id: str, queue: asyn
 
 async def _respond(request: Request, loop: EngineLoop, request_id: str, ids: list[int], params: SamplingParams,
                    body: SamplingFields, chat: bool, name: str):
+    # A stream takes what is new at each step; a plain answer needs only the end. Neither has
+    # the engine copy every sequence's whole output at every step.
+    params.output_kind = "delta" if body.stream else "final_only"
     try:
-        queue = await loop.add(request_id, ids, params)
+        mailbox = await loop.add(request_id, ids, params)
     except ValueError as e:  # the engine's own checks on the request
         raise APIError(str(e), param=field_named(str(e)) or "prompt") from None
     created = int(time.time())
-    out = await _next(request, loop, request_id, queue)  # wait for the first one, so errors are HTTP errors
+    out = await _next(request, loop, request_id, mailbox)  # wait for the first one, so errors are HTTP errors
     if out is None:
         return JSONResponse({}, status_code=499)  # nobody is listening
     if out.finished and out.error:  # ignored (it can never fit), or the engine failed on it
         raise output_error(out)
     if body.stream:
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-        events = stream_events(loop, request_id, queue, out, params, created, chat, name, include_usage)
-        return StreamingResponse(events, media_type="text/event-stream")
+        options = body.stream_options
+        include_usage = bool(options.get("include_usage") if isinstance(options, dict)
+                             else getattr(options, "include_usage", False))
+        events = stream_events(loop, request_id, mailbox, out, params, created, chat, name, include_usage)
+        return StallGuardedStream(events, request.app.state.settings.stall_timeout_s,
+                                  on_stall=lambda: loop.abort(request_id), media_type="text/event-stream")
     while not out.finished:
-        out = await _next(request, loop, request_id, queue)
+        out = await _next(request, loop, request_id, mailbox)
         if out is None:
             return JSONResponse({}, status_code=499)
     if out.error:

@@ -1,9 +1,10 @@
 """The engine loop: one background task that steps the engine while requests come and go.
 
 HTTP handlers never call ``engine.step()``. They add their request (between two steps, under
-the loop's lock) and read their own queue. The loop steps the engine in a single worker thread,
-so the event loop stays free to accept connections while the model runs, and routes each
-``RequestOutput`` to the queue of its request. Aborts are only noted by the handler and carried
+the loop's lock) and read their own ``Mailbox``. The loop steps the engine in a single worker
+thread, so the event loop stays free to accept connections while the model runs, and leaves each
+``RequestOutput`` in the mailbox of its request, where untaken outputs are merged: a handler
+that falls behind holds one merged output, never one per step. Aborts are only noted by the handler and carried
 out by the loop before its next step, so the engine is never touched by two threads at once.
 
 A step that fails because of one request finishes that request with an error (the engine says
@@ -20,19 +21,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tinyserve.engine import LLMEngine, RequestOutput
 from tinyserve.sequence import SamplingParams
+from tinyserve.serve.mailbox import Mailbox
 from tinyserve.serve.metrics import EngineStats, snapshot
 
 log = logging.getLogger("tinyserve.serve")
 
 
 class EngineLoop:
-    """Steps the engine in the background and routes each request's outputs to its queue."""
+    """Steps the engine in the background and leaves each request's outputs in its mailbox."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.lock = asyncio.Lock()  # held while the engine steps or a request is added
         self.stats: EngineStats = snapshot(engine)  # the latest, for /metrics
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._mailboxes: dict[str, Mailbox] = {}
         self._to_abort: set[str] = set()
         self._wake = asyncio.Event()
         self._stopping = False
@@ -51,8 +53,8 @@ class EngineLoop:
             finally:
                 self.stats = snapshot(self.engine)
 
-    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
-        """Add a request to the engine; its outputs will arrive on the returned queue."""
+    async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Mailbox:
+        """Add a request to the engine; its outputs will arrive in the returned mailbox."""
         adding = asyncio.ensure_future(self._add(request_id, prompt_token_ids, params))
         try:
             # Shielded: a cancelled handler must not leave the lock while the engine thread adds.
@@ -62,19 +64,19 @@ class EngineLoop:
             adding.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(request_id))
             raise
 
-    async def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
-        async with self.lock:  # the queue is registered under the lock too, so no step sees one without the other
+    async def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Mailbox:
+        mailbox = Mailbox(delta=params.output_kind == "delta")
+        async with self.lock:  # registered under the lock too, so no step sees the request without it
             await asyncio.get_running_loop().run_in_executor(
                 self._executor, self.engine.add_request, request_id, None, params, prompt_token_ids)
-            self._queues[request_id] = queue
+            self._mailboxes[request_id] = mailbox
             self.stats = snapshot(self.engine)
         self._wake.set()
-        return queue
+        return mailbox
 
     def abort(self, request_id: str) -> None:
         """Synchronous on purpose: it is called from cancelled handlers, which cannot await."""
-        if self._queues.pop(request_id, None) is not None:
+        if self._mailboxes.pop(request_id, None) is not None:
             self._to_abort.add(request_id)
             self._wake.set()
 
@@ -91,7 +93,7 @@ class EngineLoop:
                     if self.engine.has_unfinished_requests():
                         outputs = await loop.run_in_executor(self._executor, self.engine.step)
                 except Exception as e:  # no one request to blame: fail those in flight, serve the next
-                    log.exception("an engine step failed; failing the %d requests in flight", len(self._queues))
+                    log.exception("an engine step failed; failing the %d requests in flight", len(self._mailboxes))
                     self._fail_in_flight(e)
                     outputs = []
                 self.stats = snapshot(self.engine)
@@ -99,11 +101,11 @@ class EngineLoop:
                 await self._wake.wait()
                 continue
             for out in outputs:
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
+                mailbox = self._mailboxes.get(out.request_id)
+                if mailbox is not None:
+                    mailbox.put(out)
                     if out.finished:
-                        del self._queues[out.request_id]
+                        del self._mailboxes[out.request_id]
             await asyncio.sleep(0)  # let handlers read their outputs and new requests take the lock
 
     def _fail_in_flight(self, error: Exception) -> None:
@@ -115,9 +117,9 @@ class EngineLoop:
         except Exception:
             log.exception("aborting the failed requests failed too")
         self._to_abort.clear()
-        for queue in self._queues.values():
-            queue.put_nowait(error)
-        self._queues.clear()
+        for mailbox in self._mailboxes.values():
+            mailbox.fail(error)
+        self._mailboxes.clear()
 
     async def stop(self) -> None:
         """Finish the current step, then abort whatever is left (freeing its blocks)."""
@@ -125,9 +127,9 @@ class EngineLoop:
         self._wake.set()
         if self._task is not None:
             await self._task
-        self.engine.abort_request(list(self._queues) + sorted(self._to_abort))
-        for queue in self._queues.values():  # nobody waits forever on a stopped loop
-            queue.put_nowait(RuntimeError("the server is shutting down"))
-        self._queues.clear()
+        self.engine.abort_request(list(self._mailboxes) + sorted(self._to_abort))
+        for mailbox in self._mailboxes.values():  # nobody waits forever on a stopped loop
+            mailbox.fail(RuntimeError("the server is shutting down"))
+        self._mailboxes.clear()
         self.stats = snapshot(self.engine)
         self._executor.shutdown(wait=True)

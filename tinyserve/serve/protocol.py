@@ -1,18 +1,16 @@
-"""OpenAI's wire format: request bodies and their limits, the error body, and the streamed chunks.
+"""OpenAI's wire format: request bodies and their limits, the error body, usage and errors of answers.
 
 Request bodies are pydantic models with OpenAI's field names. Unknown fields are refused, so a
 typo is an error rather than a silently ignored setting, and every field has a range: a value
 outside it is a 400 naming the field before the engine ever sees the request (one bad request
-must never reach a step that all the others share). ``stream_events`` turns a request's outputs
-into server-sent events: a chunk per new piece of text, each choice's finish_reason, optionally
-the usage, then ``data: [DONE]``.
+must never reach a step that all the others share). ``usage`` and ``output_error`` read an
+answer's token counts and the error a finished request is answered with; the streamed chunks are
+``streaming.py``'s.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-from collections.abc import AsyncIterator
+import logging
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
@@ -20,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from tinyserve.engine import RequestOutput
 from tinyserve.sequence import SamplingParams
 from tinyserve.serve.bodies import APIError, RequestLimits, parse_body, read_body  # noqa: F401 (re-exported)
-from tinyserve.serve.loop import EngineLoop
+
+log = logging.getLogger("tinyserve.serve")
 
 # Dividing logits by a temperature this small overflows float32 to inf, and the softmax to NaN.
 TEMPERATURE_FLOOR = 1e-5
@@ -168,84 +167,28 @@ def field_named(message: str) -> str | None:
     return next((w for w in words if w in fields), None)
 
 
-def usage(out: RequestOutput) -> dict:
-    """OpenAI's token counts for a request."""
-    completion = sum(len(c.token_ids) for c in out.outputs)
-    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion,
-            "total_tokens": len(out.prompt_token_ids) + completion}
+def usage(out: RequestOutput, completion_tokens: int | None = None) -> dict:
+    """OpenAI's token counts for a request (a stream counts its completion tokens as they go)."""
+    if completion_tokens is None:
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion_tokens,
+            "total_tokens": len(out.prompt_token_ids) + completion_tokens}
 
 
 def output_error(out: RequestOutput) -> APIError:
     """The HTTP error for a request the engine finished with an error.
 
-    An ignored request asked for more than the server can ever give it (a 400, with the
-    scheduler's reason). Otherwise the engine failed while running it (a 500)."""
+    The engine's reason names the server's settings (block counts, swap space), which are the
+    operator's business: it is logged, and the client gets what it can act on. A request that
+    can never fit, whatever else runs, is a 400: it asked too much. One the engine had to give
+    up while others held the memory (``retryable``) is the server's failure, a 503 to retry.
+    Anything else is the engine failing on the request (a 500)."""
+    log.warning("request %s ended with an error: %s", out.request_id, out.error)
+    if out.retryable:
+        return APIError("The server ran out of memory for this request while serving others, and had to stop it. "
+                        "Retry it later.", status=503, type_="server_error", code="server_overloaded")
     if any(c.finish_reason == "ignored" for c in out.outputs):
-        return APIError(out.error or "the request can never fit in this server's KV cache",
-                        code="request_cannot_fit")
+        return APIError("This request can never fit in this server's KV cache: its prompt, n samples and max_tokens "
+                        "need more memory at once than the server has. Lower n or max_tokens, or shorten the "
+                        "prompt.", code="request_cannot_fit")
     return APIError(f"the engine failed on this request: {out.error}", status=500, type_="server_error")
-
-
-def safe_text(text: str, finished: bool, holdback: int) -> str:
-    """What of the text so far can be sent without taking it back later: not the last characters
-    that might still become a stop string, nor a half-decoded character."""
-    if finished:
-        return text
-    if holdback:
-        text = text[: max(0, len(text) - holdback)]
-    return text.rstrip("\ufffd")
-
-
-async def stream_events(loop: EngineLoop, request_id: str, queue: asyncio.Queue, first: RequestOutput,
-                        params: SamplingParams, created: int, chat: bool, name: str,
-                        include_usage: bool = False) -> AsyncIterator[str]:
-    """The server-sent events of one streamed request: a chunk per new piece of text of each
-    choice (chat streams open with the role), one that carries each choice's finish_reason,
-    optionally the usage, then ``data: [DONE]``. A request the engine fails or gives up on
-    midway ends with an error event (OpenAI's error body) before ``[DONE]``."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    holdback = max((len(s) for s in params.stop), default=1) - 1
-    sent: dict[int, str] = {}
-    finished = False
-
-    def event(choices: list[dict], usage: dict | None = None) -> str:
-        chunk = {"id": request_id, "object": kind, "created": created, "model": name, "choices": choices}
-        if include_usage:
-            chunk["usage"] = usage
-        return f"data: {json.dumps(chunk)}\n\n"
-
-    out: RequestOutput | Exception = first
-    done: set[int] = set()  # choices whose last chunk (with its finish_reason) went out
-    try:
-        if chat:  # the first chunk of every choice announces the role
-            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                         for i in range(params.n)])
-        while True:
-            for c in out.outputs:
-                if c.index in done:
-                    continue
-                old = sent.get(c.index, "")
-                text = safe_text(c.text, c.finish_reason is not None, holdback)
-                delta = text[len(old):] if text.startswith(old) else ""
-                if delta or c.finish_reason is not None:
-                    sent[c.index] = old + delta
-                    if c.finish_reason is not None:
-                        done.add(c.index)
-                    piece = {"delta": {"content": delta}} if chat else {"text": delta, "logprobs": None}
-                    yield event([{"index": c.index, **piece, "finish_reason": c.finish_reason}])
-            if out.finished:
-                if out.error:
-                    yield f"data: {json.dumps(output_error(out).body())}\n\n"
-                break
-            out = await queue.get()
-            if isinstance(out, Exception):  # the engine loop already aborted the request
-                err = APIError(f"the engine failed: {out}", status=500, type_="server_error")
-                yield f"data: {json.dumps(err.body())}\n\n"
-                break
-        finished = True
-        if include_usage and isinstance(out, RequestOutput):
-            yield event([], usage(out))
-        yield "data: [DONE]\n\n"
-    finally:
-        if not finished:  # the client went away mid-stream (Starlette cancelled us): free its blocks
-            loop.abort(request_id)
