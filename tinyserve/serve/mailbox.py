@@ -56,7 +56,3 @@ class Mailbox:
         if self._error is None:
             self._ready.clear()
         return out
-
-    @property
-    def pending(self) -> bool:
-        return self._latest is not None
