@@ -22,6 +22,7 @@ import pytest
 import torch
 from conftest import make_tiny_model_dir
 from safetensors.torch import load_file, save_file
+from slow_rank import SleepyBackend
 
 from tinyserve import LLM, SamplingParams, presets
 from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -177,6 +178,66 @@ def test_a_worker_that_dies_is_a_clear_error_not_a_hang(tp2_llm):
         tp2_llm.generate(PROMPTS[:1], GREEDY)
     assert time.monotonic() - start < 30
     assert_gone(pids)
+
+
+# -- a worker that stops answering: stopped (no heartbeat) or stuck (past the round deadline) --
+
+def test_the_default_limits_on_a_silent_worker_are_well_under_a_minute():
+    config = ParallelConfig(tensor_parallel_size=2)
+    assert config.heartbeat_timeout_s < 60 and config.step_timeout_s < 60
+    for bad in (dict(heartbeat_timeout_s=0), dict(step_timeout_s=-1.0), dict(heartbeat_timeout_s="5")):
+        with pytest.raises(ValueError, match="positive number of seconds or None"):
+            ParallelConfig(**bad)
+    with pytest.raises(ValueError, match="step_timeout_factor must be a number >= 1"):
+        ParallelConfig(step_timeout_factor=0.5)
+    ParallelConfig(heartbeat_timeout_s=None, step_timeout_s=None)  # both checks off: allowed
+
+
+def test_a_stopped_worker_fails_the_step_within_seconds_and_is_killed(tiny_model_dir):
+    engine = LLMEngine(ModelConfig(model=str(tiny_model_dir), device="cpu"),
+                       CacheConfig(block_size=BLOCK, num_gpu_blocks=16, num_cpu_blocks=0),
+                       SchedulerConfig(max_model_len=32, max_num_batched_tokens=32, max_num_seqs=4),
+                       ParallelConfig(tensor_parallel_size=2, heartbeat_timeout_s=2.0))
+    pids = engine.executor.worker_pids
+    try:
+        engine.add_request("r", PROMPTS[0], GREEDY)
+        engine.step()  # one round that works: both ranks are up and beating
+        os.kill(pids[1], signal.SIGSTOP)  # rank 0 will wait for it in the first all-reduce
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=rf"rank 1 \(pid {pids[1]}\) stopped answering during 'execute_model': "
+                                              r"no heartbeat for [\d.]+ s(.|\n)*stopped by a signal"):
+            engine.step()
+        took = time.monotonic() - start
+    finally:
+        engine.executor.shutdown()  # a no-op after the failure; if the test failed, no stopped process is left
+    assert 2.0 <= took < 15, took  # the heartbeat timeout, the SIGKILL and the shutdown of rank 0
+    assert_gone(pids, within_s=2.0)  # already gone when the error was raised
+
+
+def test_a_slow_rank_is_waited_for_and_a_stuck_one_fails_at_the_round_deadline(biased_model_dir):
+    # Rank 1 sleeps (beating) for 3 heartbeat timeouts in a 5-token round, then for 300 s in a
+    # 6-token one. The first round sets the deadline of the second: max(6 s, 2 x ~3 s).
+    backend = SleepyBackend(rank=1, sleeps={5: 3.0, 6: 300.0})
+    config = ParallelConfig(tensor_parallel_size=2, heartbeat_timeout_s=1.0, step_timeout_s=6.0,
+                            step_timeout_factor=2.0)
+    executor = TensorParallelExecutor(config_for(biased_model_dir), config, backend)
+    pids = executor.worker_pids
+    try:
+        executor.init_cache(CacheConfig(block_size=BLOCK, num_gpu_blocks=16, num_cpu_blocks=0))
+        start = time.monotonic()
+        logits = executor.execute_model([meta(Sequence(0, None, [1, 2, 3, 4, 5], BLOCK), [0, 1], True)], {}, {}, {})
+        assert logits.shape[0] == 1 and executor.is_running
+        slow = time.monotonic() - start
+        assert 3.0 <= slow < 6.0, slow
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"workers \[0, 1\] \(pids \[\d+, \d+\]\) did not answer 'execute_model' "
+                                              r"within [\d.]+ s, though they still beat: alive but stuck"):
+            executor.execute_model([meta(Sequence(1, None, [1, 2, 3, 4, 5, 6], BLOCK), [2, 3], True)], {}, {}, {})
+        took = time.monotonic() - start
+    finally:
+        executor.shutdown()
+    assert max(6.0, 2 * slow) <= took < max(6.0, 2 * slow) + 6.0, (slow, took)
+    assert_gone(pids, within_s=2.0)
 
 
 # -- sizes that cannot shard ---------------------------------------------------------------

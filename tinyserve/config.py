@@ -167,9 +167,30 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Tensor parallelism: how many worker processes share every layer."""
+    """Tensor parallelism: how many worker processes share every layer, and how long the driver
+    waits for a rank that has stopped answering (see ``parallel.liveness``).
+
+    ``heartbeat_timeout_s``: a rank that sends no heartbeat for this long (stopped by ``SIGSTOP``
+    or a debugger, frozen) fails the call with a ``WorkerError``. Ranks beat while they compute,
+    so this does not limit how long a round may take. ``step_timeout_s`` and
+    ``step_timeout_factor``: a round (``execute_model``) may take at most
+    ``max(step_timeout_s, step_timeout_factor x the slowest round so far)``, which fails a rank
+    that beats but is stuck. ``None`` turns a check off (both off, to hold a rank in a debugger:
+    a round then waits up to the executor's 600 s hang guard). Start-up (weight loading) has its
+    own, longer limit.
+    """
 
     tensor_parallel_size: int = 1
+    heartbeat_timeout_s: float | None = 5.0
+    step_timeout_s: float | None = 30.0
+    step_timeout_factor: float = 10.0
 
     def __post_init__(self) -> None:
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        for name in ("heartbeat_timeout_s", "step_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or not value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+        factor = self.step_timeout_factor
+        if not isinstance(factor, int | float) or isinstance(factor, bool) or not factor >= 1:
+            raise ValueError(f"step_timeout_factor must be a number >= 1, got {factor!r}")

@@ -2,7 +2,7 @@
 
 The process that runs the engine (the *driver*) keeps the scheduler, the block manager, the
 sampler and the tokenizer; ``k`` rank processes hold the weights and the KV cache, each its
-share of the heads. The package has two parts, plus the arithmetic they share:
+share of the heads. The package has these parts, plus the arithmetic they share:
 
 - ``models.sharding``: what is cut and how (column- and row-parallel shards, whole heads per
   rank, the sizes that work, bytes per rank). The model loads its own shard with it.
@@ -10,6 +10,8 @@ share of the heads. The package has two parts, plus the arithmetic they share:
   CUDA), build the shard, run an ordinary ``Worker`` over it, answer the driver.
 - ``executor``: the driver's ``TensorParallelExecutor``: start the ranks, send every rank the
   same orders each round, gather rank 0's logits, stop them (and never hang on a dead one).
+- ``liveness``: how the driver tells a busy rank from a stopped or stuck one (heartbeats and a
+  round deadline), so that a rank that stops answering fails within seconds, not minutes.
 
 What is split and what is not:
 - q/k/v and gate/up are split by output rows (column-parallel), o_proj and down_proj by input

@@ -8,9 +8,17 @@ same message (the scheduled groups and the swap-in, swap-out and copy maps): blo
 the same on every rank, only the heads stored in a block differ. Rank 0 sends the logits back.
 
 Shutdown is explicit (``shutdown``/``close``/``with``), and also happens on garbage collection
-and at interpreter exit (``weakref.finalize`` runs its callback from an atexit hook). The driver
-waits on its workers with timeouts and watches their process handles, so a worker that dies or
-fails surfaces as a ``WorkerError`` in the driver, never as a hang.
+and at interpreter exit (``weakref.finalize`` runs its callback from an atexit hook).
+
+A worker that fails, dies or stops answering surfaces as a ``WorkerError`` in the driver, never
+as a hang, and the whole group is stopped (the ranks are out of step). While it waits, the driver
+watches each rank's answer, its process handle (a death shows at once) and its heartbeat (see
+``liveness``): a rank silent for ``ParallelConfig.heartbeat_timeout_s`` (5 s by default) is
+stopped or frozen, and fails the call. A round that the ranks keep beating through but never
+finish fails at its deadline, ``max(step_timeout_s, step_timeout_factor x the slowest round so
+far)`` (30 s at first by default). The orders go out from a thread, so even the send cannot block
+on a rank that has stopped reading. Only the start keeps a long, fixed limit: loading weights can
+take minutes, with no heartbeat yet while a rank imports torch.
 """
 
 from __future__ import annotations
@@ -20,10 +28,12 @@ import os
 import pickle
 import socket
 import sys
+import threading
 import time
 import types
 import weakref
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 
@@ -31,12 +41,13 @@ from tinyserve.attention.backend import BackendSpec, check_backend
 from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, resolve_device, resolve_dtype
 from tinyserve.models.loader import LoadedModel, read_hf_config, resolve_model_dir
 from tinyserve.models.sharding import check_shardable
+from tinyserve.parallel.liveness import Heartbeats, RoundDeadline, beat_interval, is_stopped, process_state
 from tinyserve.parallel.rank import worker_main
 from tinyserve.sequence import SequenceGroupMetadata
 from tinyserve.worker import DEFAULT_SWAP_GIB
 
 START_TIMEOUT_S = 300.0  # process start, rendezvous and weight loading on every rank
-CALL_TIMEOUT_S = 600.0  # one round (or any other call): a hang guard, not a performance target
+CALL_TIMEOUT_S = 600.0  # any call but a round (and a round with its deadline off): a hang guard only
 STOP_TIMEOUT_S = 10.0  # grace period for a clean exit before terminate(), then kill()
 
 
@@ -94,19 +105,40 @@ class _Workers:
         self.procs, self.conns = procs, conns
         self.stopped = False
         self.grace_s = STOP_TIMEOUT_S  # how long a worker may take to finish its round and exit
+        self.sender: threading.Thread | None = None
+
+    def send_all(self, message) -> None:
+        """Write the same pickled message to every rank, from a thread. A rank that has stopped
+        reading (stopped, frozen) takes no more than its socket's buffer, and a blocked write has no
+        timeout; meanwhile the driver waits for the answers, heartbeats and deaths included."""
+        if self.sender is not None:
+            self.sender.join()  # long done: every rank has answered the previous call
+
+        def send() -> None:
+            for conn in self.conns:
+                try:
+                    conn.send_bytes(message)
+                except (OSError, ValueError):
+                    pass  # that process died; the driver's wait sees its handle
+
+        self.sender = threading.Thread(target=send, name="tinyserve-tp-send", daemon=True)
+        self.sender.start()
 
     def stop(self) -> None:
         if self.stopped:
             return
         self.stopped = True
+        self._kill_stopped()  # a stopped process would sit out the grace period, then ignore SIGTERM
         for conn in self.conns:
             try:
+                os.set_blocking(conn.fileno(), False)  # a goodbye must not wait on a rank that is not reading
                 conn.send(("shutdown", ()))
             except (OSError, ValueError):
-                pass  # that worker is already gone
+                pass  # that worker is already gone, or not reading (it is ended below)
         deadline = time.monotonic() + self.grace_s
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
+        self._kill_stopped()
         for p in self.procs:
             if p.is_alive():  # stuck, e.g. in a collective whose peer died
                 p.terminate()
@@ -114,8 +146,16 @@ class _Workers:
             if p.is_alive():
                 p.kill()
                 p.join()
+        if self.sender is not None:
+            self.sender.join(5.0)  # every reader is gone, so its writes fail at once; then the pipes can close
         for conn in self.conns:
             conn.close()
+
+    def _kill_stopped(self) -> None:
+        for p in self.procs:
+            if p.is_alive() and is_stopped(p.pid):
+                p.kill()  # SIGKILL is the one signal a stopped process obeys
+                p.join(2.0)
 
 
 class TensorParallelExecutor:
@@ -136,6 +176,7 @@ class TensorParallelExecutor:
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         self.call_timeout_s = call_timeout_s
+        self._round_deadline = RoundDeadline(parallel_config.step_timeout_s, parallel_config.step_timeout_factor)
         # Everything that can be refused is refused here, before a single process starts.
         _check_sendable(attention_backend)
         path = resolve_model_dir(model_config.model)
@@ -150,6 +191,8 @@ class TensorParallelExecutor:
         ctx = torch.multiprocessing.get_context("spawn")
         port = _free_loopback_port()
         threads = max(1, _cpu_count() // k)
+        beats = ctx.RawArray("Q", k)  # rank r counts up beats[r] (no lock: one writer per slot)
+        self._heartbeats = Heartbeats(beats, parallel_config.heartbeat_timeout_s)
         # The finalizer exists before the first process does, so no path (not even Ctrl-C
         # halfway through the starts) can leave a started worker without someone to stop it.
         self._workers = _Workers([], [])
@@ -161,12 +204,14 @@ class TensorParallelExecutor:
                     p = ctx.Process(target=worker_main, name=f"tinyserve-tp{rank}", daemon=True,
                                     args=(rank, k, port, model_config, self.device.type, self.dtype, path,
                                           hf_config.to_dict(), attention_backend, there, START_TIMEOUT_S,
-                                          threads))
+                                          threads, beats, beat_interval(parallel_config.heartbeat_timeout_s)))
                     self._workers.conns.append(here)
                     p.start()
                     self._workers.procs.append(p)
                     there.close()  # only the worker holds its end, so its death reads as EOF here
-            self.rank_info: list[dict] = self._gather("start", start_timeout_s, expect="ready")
+            # No heartbeats here: a rank imports torch before it can beat, and loads its weights in
+            # calls that may hold the GIL for long.
+            self.rank_info: list[dict] = self._gather("start", start_timeout_s, expect="ready", watch=False)
         except BaseException:
             self._workers.grace_s = 1.0  # a failed start has nothing worth waiting for
             self.shutdown()
@@ -186,8 +231,12 @@ class TensorParallelExecutor:
 
     def execute_model(self, groups: list[SequenceGroupMetadata], blocks_to_swap_in: dict[int, int],
                       blocks_to_swap_out: dict[int, int], blocks_to_copy: dict[int, list[int]]) -> torch.Tensor | None:
-        """One round on every rank (same orders everywhere); rank 0's float32 logits, on the CPU."""
-        results = self._call("execute_model", groups, blocks_to_swap_in, blocks_to_swap_out, blocks_to_copy)
+        """One round on every rank (same orders everywhere); rank 0's float32 logits, on the CPU.
+        The round must finish within its deadline, set by the slowest round so far."""
+        started = time.monotonic()
+        results = self._call("execute_model", groups, blocks_to_swap_in, blocks_to_swap_out, blocks_to_copy,
+                             timeout=self._round_deadline.seconds(otherwise=self.call_timeout_s))
+        self._round_deadline.record(time.monotonic() - started)
         return None if results[0] is None else torch.from_numpy(results[0])
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -214,16 +263,14 @@ class TensorParallelExecutor:
 
     # -- talking to the ranks ---------------------------------------------------------------
 
-    def _call(self, method: str, *args) -> list:
+    def _call(self, method: str, *args, timeout: float | None = None) -> list:
         if self._workers.stopped:
             raise WorkerError("the tensor-parallel workers have been shut down; create a new executor (or LLM)")
+        # Pickled once, and here: an argument that cannot be sent fails in the caller, before any rank moves.
+        message = ForkingPickler.dumps((method, args))
         try:
-            for rank, conn in enumerate(self._workers.conns):
-                try:
-                    conn.send((method, args))
-                except OSError:  # its end of the pipe is closed: the process died
-                    self._raise_died(rank, method)
-            return self._gather(method, self.call_timeout_s)
+            self._workers.send_all(message)
+            return self._gather(method, self.call_timeout_s if timeout is None else timeout)
         except BaseException as e:
             # A failed, timed-out or interrupted round leaves the ranks out of step (some may be
             # waiting in a collective forever): the group cannot be reused, so stop it now.
@@ -232,17 +279,26 @@ class TensorParallelExecutor:
             self.shutdown()
             raise
 
-    def _gather(self, what: str, timeout: float, expect: str = "ok") -> list:
-        """Every rank's answer, as they arrive; the first failure or death raises at once."""
+    def _gather(self, what: str, timeout: float, expect: str = "ok", watch: bool = True) -> list:
+        """Every rank's answer, as they arrive; the first failure, death or silence raises at once.
+        ``watch``: fail a rank whose heartbeat stops (waking every ``poll_s`` to look)."""
         workers = self._workers
         answers: dict[int, object] = {}
         deadline = time.monotonic() + timeout
+        heartbeats = self._heartbeats if watch and self._heartbeats.timeout_s is not None else None
+        if heartbeats is not None:
+            heartbeats.restart()
         while len(answers) < len(workers.procs):
             pending = [r for r in range(len(workers.procs)) if r not in answers]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pids = [workers.procs[r].pid for r in pending]
+                alive = ", though they still beat: alive but stuck" if heartbeats is not None else ""
+                limit = " (the round deadline: see ParallelConfig.step_timeout_s)" if what == "execute_model" else ""
+                raise WorkerError(f"tensor-parallel workers {pending} (pids {pids}) did not answer {what!r} within "
+                                  f"{timeout:.1f} s{alive}{limit}")
             waitables = [workers.conns[r] for r in pending] + [workers.procs[r].sentinel for r in pending]
-            ready = wait(waitables, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise WorkerError(f"tensor-parallel workers {pending} did not answer {what!r} within {timeout:.0f} s")
+            ready = wait(waitables, timeout=left if heartbeats is None else min(left, heartbeats.poll_s))
             for r in pending:
                 conn, proc = workers.conns[r], workers.procs[r]
                 if conn in ready or conn.poll():
@@ -258,6 +314,9 @@ class TensorParallelExecutor:
                 elif proc.sentinel not in ready:
                     continue
                 self._raise_died(r, what)
+            if heartbeats is not None:
+                for r, silent_s in heartbeats.silent([r for r in pending if r not in answers]):
+                    self._raise_silent(r, what, silent_s)
         return [answers[r] for r in range(len(workers.procs))]
 
     def _raise_died(self, rank: int, what: str) -> None:
@@ -265,3 +324,12 @@ class TensorParallelExecutor:
         proc.join(1.0)
         raise WorkerError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) died during {what!r} "
                           f"(exit code {proc.exitcode})")
+
+    def _raise_silent(self, rank: int, what: str, silent_s: float) -> None:
+        pid = self._workers.procs[rank].pid
+        state = process_state(pid)
+        how = {"T": "stopped by a signal (SIGSTOP, Ctrl-Z)", "t": "stopped by a debugger",
+               None: "stopped or frozen"}.get(state, f"alive but frozen (kernel state {state!r})")
+        raise WorkerError(f"tensor-parallel worker rank {rank} (pid {pid}) stopped answering during {what!r}: "
+                          f"no heartbeat for {silent_s:.1f} s (heartbeat_timeout_s={self._heartbeats.timeout_s:g}); "
+                          f"its process is {how}")

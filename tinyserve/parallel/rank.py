@@ -5,7 +5,8 @@
 (``models.loader.build_model``, with ``all_reduce`` summing the row-parallel layers' partial
 outputs across the ranks) and an ordinary ``Worker`` around it, then answers the driver's calls
 (``determine_num_blocks``, ``init_cache``, ``execute_model``) until told to stop or until the
-driver's end of the pipe closes.
+driver's end of the pipe closes. From its first line to its last, a thread beats a heartbeat in
+shared memory (``liveness.start_beating``) so that the driver can tell a stopped rank from a busy one.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tinyserve.config import ModelConfig, dtype_name
 from tinyserve.models.llama import LlamaForCausalLM
 from tinyserve.models.loader import LoadedModel, build_model, read_state_dict
 from tinyserve.models.sharding import weight_bytes
+from tinyserve.parallel.liveness import start_beating
 from tinyserve.worker import Worker
 
 
@@ -39,15 +41,17 @@ class ShardWithoutHead(LlamaForCausalLM):
 
 def worker_main(rank: int, size: int, port: int, model_config: ModelConfig, device_type: str,
                 dtype: torch.dtype, path, config_fields: dict, attention_backend: BackendSpec,
-                conn: Connection, start_timeout_s: float, num_threads: int) -> None:
+                conn: Connection, start_timeout_s: float, num_threads: int, beats, beat_interval_s: float) -> None:
     """Body of one worker process: join the group, build the shard, then serve the driver's calls.
 
     The driver resolved device and dtype once; the model config comes as plain fields (importing
     transformers would add seconds to every worker's start) and the tokenizer stays with the
-    driver, the only process that encodes or decodes text."""
+    driver, the only process that encodes or decodes text. ``beats`` is the shared array of
+    heartbeat counts; this rank counts up ``beats[rank]`` every ``beat_interval_s``."""
     # Ctrl-C in a terminal reaches the whole process group. The driver alone decides when the
     # workers stop; a worker interrupted halfway through a collective would hang its peers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    start_beating(beats, rank, beat_interval_s)
     import torch.distributed as dist
 
     exit_code = 0

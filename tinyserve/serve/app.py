@@ -30,6 +30,8 @@ from starlette.exceptions import HTTPException
 
 from tinyserve.engine import LLMEngine, RequestOutput
 from tinyserve.sequence import SamplingParams
+from tinyserve.serve.bodies import invalid_fields
+from tinyserve.serve.chat import check_message_count, prompt_ids
 from tinyserve.serve.loop import EngineLoop
 from tinyserve.serve.mailbox import Mailbox
 from tinyserve.serve.metrics import EngineStats, make_registry
@@ -99,12 +101,18 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return APIError(str(exc)).response()
+        return invalid_fields(exc.errors()).response()
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error in %s %s", request.method, request.url.path)
-        return APIError(f"internal server error: {type(exc).__name__}", status=500, type_="server_error").response()
+        # A bug, not the client's mistake. Starlette answers with this from its outermost
+        # middleware and then re-raises, so that the server logs the one traceback (uvicorn's
+        # "Exception in ASGI application") and closes the connection: "Connection: close" says
+        # so, or the client would find the connection reset under its next request.
+        log.error("unexpected %s in %s %s (the server logs its traceback)", type(exc).__name__, request.method,
+                  request.url.path)
+        return APIError(f"internal server error: {type(exc).__name__}", status=500, type_="server_error",
+                        headers={"Connection": "close"}).response()
 
     @app.get("/health")
     async def health() -> dict:
@@ -174,18 +182,15 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await parse_body(request, ChatCompletionRequest, limits.max_body_bytes)
+        # Counted on the parsed JSON: 30,000 messages are refused before pydantic builds them.
+        body = await parse_body(request, ChatCompletionRequest, limits.max_body_bytes,
+                                before=lambda data: check_message_count(data, settings.max_messages))
         check_request(body)
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(f"the model `{name}` has no chat template; use /v1/completions", param="messages")
         messages = chat_messages(body.messages)
-        limits.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-
-        def render() -> list[int]:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            return tokenizer.encode(text, add_special_tokens=False)
-
-        ids = await off_the_engine(render)
+        # Checked for size before and after rendering, then tokenized (chat.py): all off the loop.
+        ids = await off_the_engine(prompt_ids, tokenizer, messages, limits, settings.special_tokens_in_content)
         max_tokens = check_length(len(ids), body.max_completion_tokens or body.max_tokens, "messages")
         params = to_sampling_params(body, max_tokens)
         return await _respond(request, state["loop"], f"chatcmpl-{uuid.uuid4().hex}", validate_ids(ids), params,

@@ -1,9 +1,11 @@
 """OpenAI's wire format: request bodies and their limits, the error body, usage and errors of answers.
 
-Request bodies are pydantic models with OpenAI's field names. Unknown fields are refused, so a
-typo is an error rather than a silently ignored setting, and every field has a range: a value
-outside it is a 400 naming the field before the engine ever sees the request (one bad request
-must never reach a step that all the others share). ``usage`` and ``output_error`` read an
+Request bodies are pydantic models with OpenAI's field names. Unknown fields are refused at
+every level (in a message and in ``stream_options`` too), so a typo is an error rather than a
+silently ignored setting; every field has a strict type (``"4"`` is not a number, ``true`` is
+not 1) and a range: a value outside it is a 400 naming the field before the engine ever sees
+the request (one bad request must never reach a step that all the others share). OpenAI fields
+tinyserve does not implement are refused by name unless they ask for nothing. ``usage`` and ``output_error`` read an
 answer's token counts and the error a finished request is answered with; the streamed chunks are
 ``streaming.py``'s.
 """
@@ -11,7 +13,7 @@ answer's token counts and the error a finished request is answered with; the str
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
@@ -31,12 +33,25 @@ StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 StopTokenIds = Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)]
 
+# Strict types: an int is not a bool nor a string of digits, a float is a number (an int will do)
+# but not a string, a bool is true or false, a list of token ids holds ints. Lax parsing would
+# read "no" as True and [true, false] as the prompt [1, 0]: a client's mistake must be a 400.
+# allow_inf_nan: Python's json module reads NaN and Infinity, which no range check catches.
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: only ``include_usage`` (a usage chunk before ``data: [DONE]``)."""
+
+    model_config = STRICT
+
+    include_usage: bool = False
+
 
 class SamplingFields(BaseModel):
     """The fields both endpoints share: the model's name and how to sample."""
 
-    # allow_inf_nan: Python's json module reads NaN and Infinity, which no range check catches.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = STRICT
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
@@ -44,14 +59,14 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=16)
     stop: StopList | None = None  # one string is read as a list of one
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stream: bool = Field(False, strict=True)  # lax parsing would take "no" for True
-    stream_options: dict | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     top_k: int = Field(-1, ge=-1)  # extensions, as vLLM offers them; the vocabulary bounds top_k
-    ignore_eos: bool = Field(False, strict=True)
+    ignore_eos: bool = False
     stop_token_ids: StopTokenIds | None = None
 
     @field_validator("stop", mode="before")
@@ -72,15 +87,28 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
-    logprobs: int | None = None
+    logprobs: int | None = None  # not implemented: only null is accepted (0 would still ask for a list)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
 
 class ChatMessage(BaseModel):
+    """One message. Its content is a string or a list of text parts (``chat_messages`` reads them);
+    other OpenAI message fields (``name``, ``tool_calls``) are refused as unknown."""
+
+    model_config = STRICT
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict] | None = None
+
+
+# OpenAI's chat fields that tinyserve does not implement, each with the values that ask for
+# nothing (what a client sends to mean "off"): any other value is a 400 naming the field.
+UNIMPLEMENTED_CHAT_FIELDS = {
+    "top_logprobs": (None,), "tools": (None,), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+    "functions": (None,), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+}
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -89,18 +117,37 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
-    logprobs: bool = False
+    logprobs: bool | None = None  # not implemented: false or null
+    # Any JSON value: reject_unsupported refuses all but UNIMPLEMENTED_CHAT_FIELDS' "off" values.
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
 
 
 def reject_unsupported(body: SamplingFields) -> None:
-    """Refuse, by name, the OpenAI parameters tinyserve does not implement."""
+    """Refuse, by name, the OpenAI parameters tinyserve does not implement, unless they ask for
+    nothing (a penalty of 0, ``logprobs`` null, ``tool_choice: "none"``)."""
     checks = [("presence_penalty", body.presence_penalty != 0), ("frequency_penalty", body.frequency_penalty != 0),
-              ("logit_bias", bool(body.logit_bias)), ("logprobs", bool(body.logprobs)),
+              ("logit_bias", bool(body.logit_bias)),
               ("echo", getattr(body, "echo", False)), ("suffix", getattr(body, "suffix", None) is not None),
               ("best_of", getattr(body, "best_of", None) not in (None, body.n))]
+    if isinstance(body, ChatCompletionRequest):
+        checks.append(("logprobs", body.logprobs is True))
+        checks += [(name, not _is_one_of(getattr(body, name), off)) for name, off in UNIMPLEMENTED_CHAT_FIELDS.items()]
+    else:
+        checks.append(("logprobs", getattr(body, "logprobs", None) is not None))
     for name, bad in checks:
         if bad:
             raise APIError(f"{name} is not supported by tinyserve", param=name)
+
+
+def _is_one_of(value, allowed: tuple) -> bool:
+    # By type as well as value: 0 == False and 1 == True in Python, but not in JSON.
+    return any(type(value) is type(a) and value == a for a in allowed)
 
 
 def check_ranges(body: SamplingFields, vocab_size: int, max_num_seqs: int) -> None:
@@ -141,9 +188,10 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
                                    param=f"{where}.type")
                 if not isinstance(part.get("text"), str):
                     raise APIError("a text content part needs a string `text`", param=f"{where}.text")
-                if set(part) - {"type", "text"}:
-                    raise APIError(f"unknown fields in a text content part: {sorted(set(part) - {'type', 'text'})}",
-                                   param=where)
+                unknown = sorted(set(part) - {"type", "text"})
+                if unknown:
+                    raise APIError(f"unknown field in a text content part: {unknown[0]!r} (a text part has only "
+                                   "`type` and `text`)", param=f"{where}.{unknown[0]}")
                 pieces.append(part["text"])
             content = "".join(pieces)
         rendered.append({"role": m.role, "content": content})
