@@ -1,13 +1,15 @@
 """An OpenAI-compatible HTTP server over the engine: ``python -m tinyserve.serve``.
 
 Requests arrive at any moment; the engine only moves forward when someone calls ``step()``.
-The server is three small pieces:
+The server is a few small pieces:
 
 - ``loop.EngineLoop``: one background task that steps the engine for as long as any request is
   unfinished, in a worker thread so the event loop keeps accepting connections, and leaves every
   ``RequestOutput`` in its request's ``mailbox.Mailbox``, where outputs not yet taken merge. A new
   request joins the running batch at the next step: continuous batching, seen from outside.
-- ``protocol``: OpenAI's request bodies and its error body; ``streaming``: its chunk format
+- ``bodies`` and ``protocol``: a body's size, JSON and strict types, OpenAI's request models and
+  error body; ``chat``: messages to prompt ids, bounded before rendering and with the client's
+  text never turned into control tokens; ``streaming``: OpenAI's chunk format
   (server-sent events ending with ``data: [DONE]``) from the engine's delta outputs, and a
   response that aborts a request whose client stops reading.
 - ``app.create_app``: the FastAPI app with ``/v1/completions``, ``/v1/chat/completions`` (the
@@ -15,6 +17,7 @@ The server is three small pieces:
   has its request aborted, which frees its blocks; invalid requests get a 400 with OpenAI's error
   body. Prompts are tokenized on a thread of their own, never the engine's.
 - ``metrics``: the engine's queues, cache usage and counters for Prometheus, under vLLM's names.
+- ``settings.ServerSettings``: the server's limits, timeouts and protections, in one place.
 
 ``cli`` is the command line; ``app.ServerThread`` runs the app in a background thread for tests
 and notebooks.

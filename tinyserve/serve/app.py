@@ -237,9 +237,7 @@ async def _respond(request: Request, loop: EngineLoop, request_id: str, ids: lis
     if out.finished and out.error:  # ignored (it can never fit), or the engine failed on it
         raise output_error(out)
     if body.stream:
-        options = body.stream_options
-        include_usage = bool(options.get("include_usage") if isinstance(options, dict)
-                             else getattr(options, "include_usage", False))
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
         events = stream_events(loop, request_id, mailbox, out, params, created, chat, name, include_usage)
         return StallGuardedStream(events, request.app.state.settings.stall_timeout_s,
                                   on_stall=lambda: loop.abort(request_id), media_type="text/event-stream")
