@@ -153,7 +153,7 @@ def test_a_client_that_gives_up_on_a_plain_request_leaves_no_blocks_allocated(se
     start = len(llm.engine.history)
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         payload = json.dumps(completion(PROMPTS[2], max_tokens=100)).encode()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
         deadline = time.monotonic() + 20
         while len(llm.engine.history) - start < 3:  # wait until it is decoding
@@ -623,7 +623,7 @@ def test_swap_space_flag_reaches_the_engine(monkeypatch):
             self.engine = "engine"
 
     monkeypatch.setattr(cli, "LLM", FakeLLM)
-    monkeypatch.setattr(cli, "create_app", lambda engine, name: ("app", engine))
+    monkeypatch.setattr(cli, "create_app", lambda engine, name, settings=None: ("app", engine))
     monkeypatch.setattr(cli.uvicorn, "run", lambda app, **kw: seen.update(app=app))
     cli.main(["--swap-space", "2.5"])
     assert seen["swap_space"] == 2.5 and seen["app"] == ("app", "engine")

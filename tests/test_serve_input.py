@@ -265,7 +265,8 @@ def test_a_genuine_500_closes_its_connection_cleanly_and_logs_one_traceback(serv
         monkeypatch.setattr(app_module, "generate_latest", fail)
         method, path = "GET", "/metrics"
     with Tracebacks() as logs, httpx.Client(base_url=server.url, timeout=30) as client:
-        r = client.request(method, path, content=json.dumps(completion()).encode() if method == "POST" else None)
+        r = client.request(method, path, content=json.dumps(completion()).encode() if method == "POST" else None,
+                           headers={"content-type": "application/json"} if method == "POST" else None)
         error = error_of(r, 500)
         assert error["type"] == "server_error" and "RuntimeError" in error["message"]
         assert r.headers["connection"] == "close"

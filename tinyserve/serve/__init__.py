@@ -17,7 +17,10 @@ The server is a few small pieces:
   has its request aborted, which frees its blocks; invalid requests get a 400 with OpenAI's error
   body. Prompts are tokenized on a thread of their own, never the engine's.
 - ``metrics``: the engine's queues, cache usage and counters for Prometheus, under vLLM's names.
-- ``settings.ServerSettings``: the server's limits, timeouts and protections, in one place.
+- ``settings.ServerSettings``: the server's limits, timeouts and protections, in one place;
+  ``guard`` enforces the per-request ones (API key, Host, JSON only, body deadline),
+  ``connections`` the per-connection ones (uvicorn's h11 protocol with head and body timeouts),
+  and ``floodlog`` keeps a flood of identical failures from flooding the log.
 
 ``cli`` is the command line; ``app.ServerThread`` runs the app in a background thread for tests
 and notebooks.

@@ -32,6 +32,8 @@ from tinyserve.engine import LLMEngine, RequestOutput
 from tinyserve.sequence import SamplingParams
 from tinyserve.serve.bodies import invalid_fields
 from tinyserve.serve.chat import check_message_count, prompt_ids
+from tinyserve.serve.connections import uvicorn_options
+from tinyserve.serve.guard import Guard
 from tinyserve.serve.loop import EngineLoop
 from tinyserve.serve.mailbox import Mailbox
 from tinyserve.serve.metrics import EngineStats, make_registry
@@ -81,7 +83,11 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
         await state.pop("loop").stop()
         state.pop("tokenize").shutdown(wait=True)
 
-    app = FastAPI(title="tinyserve", lifespan=lifespan)
+    # The docs pages load their scripts from a CDN: served only when asked for.
+    docs = settings.enable_docs
+    app = FastAPI(title="tinyserve", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
+    app.add_middleware(Guard, settings=settings)  # Host, API key, content type, body deadline
     app.state.engine, app.state.tokenizer, app.state.limits = engine, tokenizer, limits
     app.state.settings = settings
     registry = make_registry(lambda: state["loop"].stats if "loop" in state else EngineStats())
@@ -117,6 +123,10 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    # HEAD too, as load balancers ask (uvicorn sends no body). Kept out of the schema, where it
+    # would repeat GET's operation id.
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -255,11 +265,13 @@ async def _respond(request: Request, loop: EngineLoop, request_id: str, ids: lis
 
 
 class ServerThread:
-    """Run an app with uvicorn in a background thread (tests, notebooks); port 0 picks a free one."""
+    """Run an app with uvicorn in a background thread (tests, notebooks); port 0 picks a free one.
+
+    uvicorn is set up as on the command line, from the app's ``ServerSettings``."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    timeout_graceful_shutdown=10))
+        settings = getattr(app.state, "settings", None) or ServerSettings()
+        self.server = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(settings, host, port, log_level)))
         self.thread = threading.Thread(target=self.server.run, name="tinyserve-http", daemon=True)
         self.host = host
         self.port = port

@@ -1,14 +1,30 @@
-"""``python -m tinyserve.serve``: load a model and serve it over HTTP (loopback by default)."""
+"""``python -m tinyserve.serve``: load a model and serve it over HTTP (loopback by default).
+
+Every flag is checked here, before the model loads: a typo in ``--port`` or ``--swap-space``
+is an error naming the flag at once, not after a minute of loading. The server's own flags
+become a ``ServerSettings``; uvicorn gets its options from ``connections.uvicorn_options``, as
+``ServerThread`` does.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+import os
+import socket
 
 import uvicorn
+from uvicorn.config import LOG_LEVELS
 
 from tinyserve.engine import LLM
 from tinyserve.serve.app import create_app
+from tinyserve.serve.connections import fit_open_files, uvicorn_options
+from tinyserve.serve.settings import ServerSettings
+
+log = logging.getLogger("tinyserve.serve")
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # every interface: not a name a client sends as Host
 
 
 def gib(text: str) -> float:
@@ -22,36 +38,152 @@ def gib(text: str) -> float:
     return value
 
 
+def machine_ram_bytes() -> int | None:
+    """The machine's physical memory, or None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def swap_gib(text: str) -> float:
+    """``gib``, and no more than the machine's RAM: the swap space is allocated in CPU memory."""
+    value = gib(text)
+    ram = machine_ram_bytes()
+    if ram is not None and value * 2**30 > ram:
+        raise argparse.ArgumentTypeError(f"{text} GiB is more than this machine's memory ({ram / 2**30:.1f} GiB)")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 65535, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def host_address(text: str) -> str:
+    """An interface this machine can resolve (binding it is uvicorn's job, once the model is in)."""
+    try:
+        socket.getaddrinfo(text, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot resolve {text!r}: {e}") from None
+    return text
+
+
+def host_name(text: str) -> str:
+    """A name for ``--allowed-host``: no scheme, path or spaces (a port is ignored)."""
+    name = text.strip()
+    if not name or any(c in name for c in "/ \t@"):
+        raise argparse.ArgumentTypeError(f"expected a host name such as 'example.com', got {text!r}")
+    return name
+
+
+def api_key(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line's flags, named like vLLM's."""
-    p = argparse.ArgumentParser(prog="python -m tinyserve.serve", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    d = ServerSettings()
+    p = argparse.ArgumentParser(prog="python -m tinyserve.serve", description=__doc__.split("\n")[0])
+    p.add_argument("--host", type=host_address, default="127.0.0.1",
+                   help="interface to listen on (default: loopback only)")
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' or a local Hugging Face directory")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int, default=None)
-    p.add_argument("--swap-space", type=gib, default=1.0,
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--num-gpu-blocks", type=positive_int, default=None)
+    p.add_argument("--swap-space", type=swap_gib, default=1.0,
                    help="CPU swap space for preempted requests' KV blocks, in GiB per GPU (default: 1)")
-    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's own limit")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=positive_int, default=None, help="default: the model's own limit")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--enable-chunked-prefill", action="store_true")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", type=str.lower, default="info", choices=list(LOG_LEVELS))
+    # The server's limits and protections (ServerSettings; the README's "Limits and protection").
+    p.add_argument("--api-key", type=api_key, default=os.environ.get("TINYSERVE_API_KEY") or None,
+                   help="require 'Authorization: Bearer <key>' on every path but /health and /metrics "
+                        "(default: $TINYSERVE_API_KEY, else none)")
+    p.add_argument("--allowed-host", type=host_name, action="append", default=[], metavar="NAME",
+                   help="accept this name in the Host header too (repeatable; '*' accepts any)")
+    p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
+    p.add_argument("--trust-forwarded-for", action="store_true",
+                   help="take the client address from X-Forwarded-For set by a proxy on 127.0.0.1 "
+                        "(or uvicorn's $FORWARDED_ALLOW_IPS)")
+    p.add_argument("--max-connections", type=positive_int, default=d.max_connections,
+                   help=f"connections served at once; more get a 503 (default: {d.max_connections})")
+    p.add_argument("--header-timeout", type=seconds, default=d.header_timeout_s,
+                   help=f"seconds a request's head may take to arrive (default: {d.header_timeout_s:g})")
+    p.add_argument("--body-timeout", type=seconds, default=d.body_timeout_s,
+                   help=f"seconds a request's body may take after its head (default: {d.body_timeout_s:g})")
+    p.add_argument("--keep-alive-timeout", type=seconds, default=d.keep_alive_timeout_s,
+                   help=f"seconds an idle keep-alive connection stays open (default: {d.keep_alive_timeout_s:g})")
+    p.add_argument("--shutdown-timeout", type=seconds, default=d.shutdown_timeout_s,
+                   help=f"seconds Ctrl-C waits for open requests before cancelling them "
+                        f"(default: {d.shutdown_timeout_s:g})")
+    p.add_argument("--stall-timeout", type=seconds, default=d.stall_timeout_s,
+                   help="abort a stream whose client has read nothing for this many seconds (default: %(default)s)")
+    p.add_argument("--max-messages", type=positive_int, default=d.max_messages,
+                   help="messages in one chat request (default: %(default)s)")
+    p.add_argument("--special-tokens-in-content", action="store_true",
+                   help="read special-token text in chat content as control tokens, as vLLM does (default: plain text)")
     return p
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The ``ServerSettings`` the flags ask for."""
+    named = (args.host,) if args.host not in WILDCARD_HOSTS else ()  # `--host myname` means clients say myname
+    return ServerSettings(api_key=args.api_key, allowed_hosts=tuple(args.allowed_host) + named,
+                          trust_forwarded_for=args.trust_forwarded_for, enable_docs=args.enable_docs,
+                          max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+                          body_timeout_s=args.body_timeout, keep_alive_timeout_s=args.keep_alive_timeout,
+                          shutdown_timeout_s=args.shutdown_timeout, stall_timeout_s=args.stall_timeout,
+                          max_messages=args.max_messages, special_tokens_in_content=args.special_tokens_in_content)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Build the engine from the flags and run the server until interrupted."""
     args = parser().parse_args(argv)
+    settings = server_settings(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+        log.warning("listening on %s without --api-key: anyone who can reach it can use the model", args.host)
+    if (short := fit_open_files(settings.max_connections)) is not None:
+        log.warning("%s", short)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
               num_gpu_blocks=args.num_gpu_blocks, swap_space=args.swap_space, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
               enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill)
-    app = create_app(llm.engine, args.served_model_name or (args.model if args.model == "smollm2-135m" else None))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    name = args.served_model_name or (args.model if args.model == "smollm2-135m" else None)
+    app = create_app(llm.engine, name, settings=settings)
+    uvicorn.run(app, **uvicorn_options(settings, args.host, args.port, args.log_level))

@@ -1,0 +1,145 @@
+"""Connections: how long the server waits for a client, and uvicorn's settings in one place.
+
+uvicorn closes a keep-alive connection left idle between requests (``timeout_keep_alive``) and
+answers requests past ``limit_concurrency`` with a 503, but it never times out a connection that
+sends nothing, half a request head, or a body nobody reads: enough of them use up the process's
+file descriptors, and then no one else gets in. ``TimedH11Protocol``, uvicorn's h11 protocol with
+two timers, closes them:
+
+- a request head must be complete within ``header_timeout_s`` of the connection opening (or of
+  its first byte after an idle keep-alive: between requests uvicorn's own timer runs). A trickle
+  of bytes does not restart the clock.
+- its body must then be complete within ``body_timeout_s``. A body the app is waiting for gets a
+  408 from ``guard.Guard`` at that moment; this timer, a second later, closes the connection
+  whatever happens, say when the app answered early and nobody reads the rest of the body.
+
+Once the request is in, nothing here limits how long its answer takes (a stream to a client that
+stops reading has its own guard, ``streaming.StallGuardedStream``). ``uvicorn_options`` gives
+both the command line and ``app.ServerThread`` the same uvicorn settings; ``fit_open_files``
+makes room for ``max_connections`` under the process's open-file limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from tinyserve.serve import floodlog
+from tinyserve.serve.settings import ServerSettings
+
+BODY_GRACE_S = 1.0  # so that the app's 408 for a late body goes out before this closes the connection
+OPEN_FILES_HEADROOM = 64  # descriptors the process needs besides its connections: model files, logs, pipes
+
+
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request head or body is late.
+
+    It relies on uvicorn's ``data_received``, ``on_response_complete``, ``connection_lost``,
+    ``conn`` (the h11 connection) and ``timeout_keep_alive_task``; tests/test_serve_guard.py
+    fails if an upgrade changes them."""
+
+    header_timeout_s: float = ServerSettings.header_timeout_s
+    body_timeout_s: float = ServerSettings.body_timeout_s
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiting_for: str | None = None  # "head" or "body": what the timer runs for
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._follow()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._wait_for(None)
+        super().connection_lost(exc)
+
+    def _follow(self) -> None:
+        """Time whatever the connection now waits for from the client."""
+        state = self.conn.their_state
+        if self.transport.is_closing():
+            waiting = None
+        elif state is h11.IDLE:  # no request head yet; between requests, uvicorn's keep-alive timer runs
+            waiting = None if self.timeout_keep_alive_task is not None else "head"
+        elif state is h11.SEND_BODY:
+            waiting = "body"
+        else:  # the request is in (DONE), or the connection is closing
+            waiting = None
+        self._wait_for(waiting)
+
+    def _wait_for(self, what: str | None) -> None:
+        if what == self._waiting_for:
+            return  # already timing it: more bytes of the same head or body do not restart the clock
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._waiting_for = what
+        if what is not None:
+            delay = self.header_timeout_s if what == "head" else self.body_timeout_s + BODY_GRACE_S
+            self._timer = self.loop.call_later(delay, self._timed_out)
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if not self.transport.is_closing():
+            self.logger.debug("closing a connection whose request %s was late", self._waiting_for)
+            self.transport.close()  # connection_lost tells a running app its client is gone
+
+
+def timed_protocol(settings: ServerSettings) -> type[TimedH11Protocol]:
+    """``TimedH11Protocol`` with the timeouts of ``settings`` (uvicorn takes a class, not an instance)."""
+    return type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout_s": settings.header_timeout_s,
+                                                           "body_timeout_s": settings.body_timeout_s})
+
+
+def uvicorn_options(settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
+                    log_level: str = "info") -> dict:
+    """Keyword arguments for ``uvicorn.Config`` (or ``uvicorn.run``) that apply ``settings``.
+
+    It also puts ``floodlog``'s filter on the loggers a flood of connections would fill."""
+    floodlog.install()
+    return {
+        "host": host, "port": port, "log_level": log_level,
+        "http": timed_protocol(settings),
+        "ws": "none",  # nothing here speaks WebSocket; an upgraded connection would escape the timers
+        "timeout_keep_alive": settings.keep_alive_timeout_s,
+        "limit_concurrency": settings.max_connections,
+        # Ctrl-C waits this long for open requests, then cancels them; the engine loop then aborts
+        # whatever is left. Without it uvicorn waits for every connection, forever.
+        "timeout_graceful_shutdown": settings.shutdown_timeout_s,
+        # uvicorn reads X-Forwarded-For from 127.0.0.1 unless told not to, so that any local
+        # client could claim any address: only behind a proxy that sets it, and only when asked.
+        "proxy_headers": settings.trust_forwarded_for,
+    }
+
+
+def fit_open_files(max_connections: int) -> str | None:
+    """Raise the soft open-file limit so that ``max_connections`` fit (vLLM raises it too), as far
+    as the hard limit allows; a warning to log when it does not."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = max_connections + OPEN_FILES_HEADROOM
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return None
+    new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ValueError, OSError):
+        new = soft
+    if new >= want:
+        return None
+    # Past the limit accept() fails, and nobody gets in until idle connections time out.
+    return (f"the open-file limit ({new}) leaves room for about {max(new - OPEN_FILES_HEADROOM, 0)} connections, "
+            f"fewer than --max-connections {max_connections}: raise `ulimit -n` or lower --max-connections")
