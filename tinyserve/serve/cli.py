@@ -27,15 +27,21 @@ log = logging.getLogger("tinyserve.serve")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # every interface: not a name a client sends as Host
 
 
+def _number(text: str, parse, what: str, ok, rule: str):
+    """``parse(text)``, refused (naming ``what`` was expected, or the ``rule`` it broke) unless ``ok``."""
+    try:
+        value = parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"{rule}, got {text!r}")
+    return value
+
+
 def gib(text: str) -> float:
     """A size in GiB: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of GiB >= 0, got {text!r}")
-    return value
+    return _number(text, float, "a number of GiB", lambda v: math.isfinite(v) and v >= 0,
+                   "must be a finite number of GiB >= 0")
 
 
 def machine_ram_bytes() -> int | None:
@@ -56,33 +62,16 @@ def swap_gib(text: str) -> float:
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return value
+    return _number(text, int, "a whole number", lambda v: v >= 1, "must be at least 1")
 
 
 def port_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 65535, got {text!r}")
-    return value
+    return _number(text, int, "a port number", lambda v: 0 <= v <= 65535, "must be from 0 to 65535")
 
 
 def seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
-    return value
+    return _number(text, float, "a number of seconds", lambda v: math.isfinite(v) and v > 0,
+                   "must be a finite number of seconds > 0")
 
 
 def host_address(text: str) -> str:
