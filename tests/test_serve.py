@@ -17,6 +17,7 @@ import time
 
 import httpx
 import pytest
+from cli_serving import free_port, wait_until_serving
 
 from tinyserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from tinyserve.engine import LLM, LLMEngine
@@ -255,24 +256,14 @@ def test_python_dash_m_tinyserve_serve_starts_answers_and_stops(tiny_model_dir):
     from tinyserve.serve import parser
 
     assert parser().parse_args([]).host == "127.0.0.1"  # loopback unless told otherwise
-    with socket.socket() as s:  # a free port (the server binds it a moment later)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tinyserve.serve", "--host", "127.0.0.1", "--port", str(port),
                              "--model", str(tiny_model_dir), "--device", "cpu", "--max-model-len", "128",
                              "--num-gpu-blocks", "32", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.25)
+        wait_until_serving(proc, port, proc.stdout.read)
         name = tiny_model_dir.name  # served under its directory's name
         body = httpx.post(f"{url}/v1/completions", timeout=60,
                           json={"model": name, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}).json()

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+from cli_serving import free_port, wait_until_serving
 from fastapi import Request
 
 from tinyserve.config import CacheConfig, ModelConfig, SchedulerConfig
@@ -243,9 +244,7 @@ def test_asyncio_accept_errors_reach_the_installed_filter_once():
 @pytest.fixture(scope="module")
 def cli_server(tiny_model_dir, tmp_path_factory):
     """(process, port, log path) of ``python -m tinyserve.serve`` with a 1 s header timeout."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log_path = tmp_path_factory.mktemp("cli") / "server.log"
     with open(log_path, "w") as out:  # a file, not a pipe: a flood must not block the server on a full pipe
         proc = subprocess.Popen([sys.executable, "-m", "tinyserve.serve", "--port", str(port), "--model",
@@ -253,15 +252,7 @@ def cli_server(tiny_model_dir, tmp_path_factory):
                                  "--num-gpu-blocks", "64", "--header-timeout", "1", "--body-timeout", "120",
                                  "--log-level", "info"], stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.25)
+        wait_until_serving(proc, port, log_path.read_text)
         yield proc, port, log_path
     finally:
         if proc.poll() is None:
