@@ -24,7 +24,8 @@ import pytest
 from nbclient import NotebookClient
 
 from tinyserve.viz import source
-from tinyserve.viz.source import METADATA_KEY, SourceView, parse_file, parse_markers, set_chapter, show
+from tinyserve.viz.markers import parse_file, parse_markers
+from tinyserve.viz.source import METADATA_KEY, SourceView, set_chapter, show
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))

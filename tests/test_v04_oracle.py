@@ -8,27 +8,33 @@ fails and says to run ``make venv``: CI runs ``make test``, which installs it.
 
 Each of ``SEEDS`` draws a workload: block size, GPU and CPU block counts (no swap space too),
 watermark, ``max_num_seqs``, ``max_num_batched_tokens >= max_model_len`` (v0.4.0 requires it),
-requests arriving over the rounds with distinct arrival times, some with ``n > 1`` (forked at the
-prompt as v0.4.0's ``LLMEngine`` forks them), some with prompts over the limit, some samples
-stopping early (as an EOS would). ``preemption_mode`` stays None: v0.4.0 has no such setting, and
-its ``_preempt`` always decides by the number of sequences. Both schedulers get the same requests,
-and between rounds the same made-up model (``v04_oracle.ModelStub``) and the same bookkeeping
-(v0.4.0's ``_process_sequence_group_outputs``, taking the batch in v0.4.0's order on both sides,
-as the order of frees decides the block numbers a stack hands out next). Every round must decide
-the same: whether it is a prompt or a decode round, which requests it schedules (as a set: v0.4.0
-sorts its batch by request id) and with how many tokens, which it refuses, which it preempts by
-recompute or swaps out (read off the queues, as v0.4.0 reports no preemptions) and swaps in, the
-swap-in, swap-out and copy maps block for block, the queues afterwards (``waiting`` in order;
-``running`` and ``swapped`` as sets, as both sort them by arrival before use), the free GPU and
-CPU blocks, and every block table.
+requests arriving over the rounds, some with ``n > 1`` (forked at the prompt as v0.4.0's
+``LLMEngine`` forks them), some with prompts over the limit, some samples stopping early (as an
+EOS would). In the first ``TIED_FROM`` workloads arrival times are distinct; in the others every
+request of a round shares that round's arrival time, as in the simulator, with sequence ids
+shuffled and (in half of them) request ids that are not zero-padded, so that ties are decided by
+queue order alone (v0.4.0's FCFS sort is stable) and the batch's order by request id as text.
+``preemption_mode`` stays None: v0.4.0 has no such setting, and its ``_preempt`` always decides by
+the number of sequences (``test_the_seed_rounds_are_v040s`` also passes it the swap mode). Both
+schedulers get the same requests, and between rounds the same made-up model
+(``v04_oracle.ModelStub``) and the same bookkeeping (v0.4.0's ``_process_sequence_group_outputs``,
+taking the batch in v0.4.0's order on both sides, as the order of frees decides the block numbers
+a stack hands out next). Every round must decide the same: whether it is a prompt or a decode
+round, which requests it schedules, in which order (v0.4.0's ``SchedulerOutputs`` sorts its batch
+by LoRA id and request id, and so does compat) and with how many tokens, which it refuses, which
+it preempts by recompute or swaps out (read off the queues, as v0.4.0 reports no preemptions) and
+swaps in, the swap-in, swap-out and copy maps block for block, the queues afterwards (``waiting``
+in order; ``running`` and ``swapped`` as sets: both sort them by arrival before use, but tinyserve
+sorts in prompt rounds too, v0.4.0 only in decode rounds), the free GPU and CPU blocks, and every
+block table.
 
 Where v0.4.0 does what tinyserve deliberately does not, the workload stops being compared at that
 round and is counted under its reason (``SKIPS``); at least ``MIN_COMPARED`` of the workloads
 must run to their end. Each reason is checked, not assumed: tinyserve must have taken its own path
 in that very round (a refusal up front, a stand-in or a refusal on a full swap space, the
 stuck-round safety net), or the round counts as a mismatch. A workload made for each reason
-shows v0.4.0 doing what the reason says (``test_skip_*``), and two tests show that the comparison
-fails when tinyserve's rules differ from v0.4.0's.
+shows v0.4.0 doing what the reason says (``test_skip_*``), and three tests show that the
+comparison fails when tinyserve's rules differ from v0.4.0's.
 
 A known difference the workloads stay clear of: v0.4.0 caps a sequence when ``get_len() >
 max_model_len``, tinyserve when ``get_len() >= max_model_len``. The test finishes sequences itself
@@ -40,8 +46,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import random
-from collections import Counter
-from dataclasses import dataclass, field
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
 
 import pytest
 from v04_oracle import (
@@ -57,10 +63,13 @@ from v04_oracle import (
     locate,
 )
 
-from tinyserve import refusals
+from tinyserve import presets, refusals
 from tinyserve.block_manager import BlockSpaceManager, V04BlockSpaceManager
+from tinyserve.scheduler import Scheduler
+from tinyserve.sim import simulate
 
-SEEDS = range(1000)
+SEEDS = range(1500)
+TIED_FROM = 1000  # the seeds from here on draw workloads whose requests share arrival times
 MIN_COMPARED = 0.8
 MAX_ROUNDS = 3000  # far more than any workload needs: running out of rounds is a failure
 
@@ -122,7 +131,18 @@ def make_workload(seed: int) -> tuple[WorkloadConfig, list[Request], ModelStub]:
                 n -= 1
         prompt = tuple(rng.randrange(10, 30_000) for _ in range(prompt_len))
         requests.append(Request(index, prompt, n, max_tokens, arrival))
-    return cfg, requests, ModelStub(seed, rng.choice([0.0, 0.0, 0.05, 0.15]))
+    stub = ModelStub(seed, rng.choice([0.0, 0.0, 0.05, 0.15]))
+    # From TIED_FROM on, every request of a round arrives at that round's time, as in the
+    # simulator. Sequence ids are shuffled, and in half of these workloads the request ids are
+    # not zero-padded, so that neither the sequence ids nor the text order of the request ids
+    # follows the queue's: ties go by queue order alone (v0.4.0's sort is stable), and the batch
+    # by request id as text ("r10" before "r9").
+    if seed >= TIED_FROM:
+        ties = random.Random(-seed)
+        padded = ties.random() < 0.5
+        requests = [replace(r, index=i, arrival_time=float(r.arrival_round), name=f"r{i:03d}" if padded else f"r{i}")
+                    for r, i in zip(requests, ties.sample(range(len(requests)), len(requests)), strict=True)]
+    return cfg, requests, stub
 
 
 @dataclass
@@ -133,6 +153,8 @@ class Outcome:
     mismatch: str | None = None
     differs: list[str] = field(default_factory=list)  # what the mismatched round disagreed on
     stats: Counter = field(default_factory=Counter)  # what the compared rounds did (v0.4.0's counts)
+    preempted: dict[int, list[str]] = field(default_factory=dict)  # by round, from 1, as sim numbers them
+    ignored: dict[int, list[str]] = field(default_factory=dict)
     sides: tuple[TinyserveSide, OracleSide] | None = field(default=None, repr=False)  # as the run left them
 
 
@@ -161,8 +183,8 @@ def up_front_refusals(ts: TinyserveSide, oracle_ignored: list[str]) -> list[str]
 
 
 def describe(seed: int, cfg: WorkloadConfig, requests: list[Request], stub: ModelStub) -> str:
-    reqs = ", ".join(f"{r.request_id}(prompt {len(r.prompt)}, n={r.n}, max_tokens={r.max_tokens}, "
-                     f"round {r.arrival_round})" for r in requests)
+    reqs = ", ".join(f"{r.request_id}(seq {r.index}, prompt {len(r.prompt)}, n={r.n}, max_tokens={r.max_tokens}, "
+                     f"round {r.arrival_round}, time {r.arrival})" for r in requests)
     return f"seed {seed}: {cfg}, stop_p={stub.stop_p}; requests {reqs}"
 
 
@@ -172,12 +194,15 @@ def run(seed: int, compat: str = "vllm-0.4") -> Outcome:
 
 
 def compare(cfg: WorkloadConfig, requests: list[Request], stub: ModelStub, seed: int | None = None,
-            compat: str = "vllm-0.4") -> Outcome:
+            compat: str = "vllm-0.4", swap: bool = False) -> Outcome:
     """Play one workload on both schedulers, round by round, until both are done, a mismatch, or
-    a round where v0.4.0 does what tinyserve deliberately does not (``Outcome.skipped``)."""
-    ts, ov = TinyserveSide(cfg, compat), OracleSide(cfg)
+    a round where v0.4.0 does what tinyserve deliberately does not (``Outcome.skipped``).
+    ``swap``: both preempt by swapping (``preemption_mode="swap"``; see ``OracleSide``)."""
+    ts, ov = TinyserveSide(cfg, compat, swap), OracleSide(cfg, swap)
     result = Outcome(seed, sides=(ts, ov))
-    pending = sorted(requests, key=lambda r: r.index)
+    pending = sorted(requests, key=lambda r: r.arrival_round)  # stable: the list's order within a round
+    arrival = {r.request_id: r.arrival for r in requests}
+    order = {r.request_id: (r.arrival, k) for k, r in enumerate(pending)}  # arrival, then order added
 
     def mismatch(rnd: int, what: str) -> Outcome:
         result.mismatch = f"{describe(seed, cfg, requests, stub)}\n  round {rnd}: {what}"
@@ -228,6 +253,8 @@ def compare(cfg: WorkloadConfig, requests: list[Request], stub: ModelStub, seed:
                 "tinyserve": {**vars(t), **moves(before_t, after_t), **ts.state()}}
         for side in seen.values():
             side.pop("errors")
+            if compat != "vllm-0.4":  # only compat keeps v0.4.0's batch order: compare the batch as a set
+                side["scheduled"] = sorted(side["scheduled"])
         result.differs = [key for key in seen["v0.4.0"] if seen["v0.4.0"][key] != seen["tinyserve"][key]]
         diff = [f"{key}: v0.4.0 {seen['v0.4.0'][key]!r} != tinyserve {seen['tinyserve'][key]!r}"
                 for key in result.differs]
@@ -242,7 +269,17 @@ def compare(cfg: WorkloadConfig, requests: list[Request], stub: ModelStub, seed:
                             recomputed=len(own["recomputed"]), swapped_out=len(own["swapped_out"]),
                             swapped_in=len(own["swapped_in"]), copies=sum(map(len, o.copy.values())),
                             forked=sum(1 for g in ov.out.scheduled_seq_groups
-                                       if o.kind == "prompt" and g.seq_group.sampling_params.n > 1))
+                                       if o.kind == "prompt" and g.seq_group.sampling_params.n > 1),
+                            # a decode round whose running groups share an arrival time (the queue
+                            # order decides), a batch whose order by request id is not arrival order
+                            tied=o.kind == "decode" and len({arrival[r] for r in before_o["running"]})
+                            < len(before_o["running"]),
+                            reordered=[r for r, _ in o.scheduled] != sorted((r for r, _ in o.scheduled),
+                                                                            key=order.__getitem__))
+        if own["recomputed"] or own["swapped_out"]:
+            result.preempted[rnd + 1] = sorted(own["recomputed"] + own["swapped_out"])
+        if o.ignored:
+            result.ignored[rnd + 1] = o.ignored
         if ov.readmitted_with_finished_samples():
             result.skipped, result.rounds = LEAK, rnd
             return result
@@ -274,8 +311,28 @@ def test_compat_decides_as_vllm_040_does_round_by_round(oracle):
     assert len(compared) >= MIN_COMPARED * len(outcomes), summary
     # The workloads reach every rule being compared: otherwise agreement would say little.
     for what in ("prompt rounds", "decode rounds", "ignored", "recomputed", "swapped_out", "swapped_in",
-                 "copies", "forked"):
+                 "copies", "forked", "tied", "reordered"):
         assert stats[what] > 0, f"no compared round had any {what}: {summary}"
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["v0.4-rule", "swap"])
+def test_the_seed_rounds_are_v040s(oracle, swap):
+    # s0/s1/s2 under compat (test_compat.py works their rounds out by hand), all three arriving
+    # at once, as in the simulator. v0.4.0 refuses a max_model_len of 20 over a budget of 10; at
+    # 10 its prompt limit (the smaller of the two) is the same, and the test ends every sequence
+    # itself, at its max_tokens.
+    p = presets.seed_rounds("swap" if swap else None, compat="vllm-0.4")
+    sc, cc = p.scheduler_config, p.cache_config
+    cfg = WorkloadConfig(cc.block_size, cc.num_gpu_blocks, cc.num_cpu_blocks, cc.watermark, sc.max_num_seqs,
+                         sc.max_num_batched_tokens, max_model_len=sc.max_num_batched_tokens)
+    requests = [Request(k, tuple(range(100 * k, 100 * k + r.prompt_len)), 1, r.output_len, 0, arrival_time=1.0,
+                        name=r.request_id) for k, r in enumerate(p.requests)]
+    out = compare(cfg, requests, NO_STOPS, swap=swap)
+    assert out.mismatch is None and out.skipped is None
+    records = simulate(p.requests, sc, cc)
+    assert out.preempted == {r.round: sorted(r.preempted) for r in records if r.preempted}
+    assert out.ignored == {r.round: r.ignored for r in records if r.ignored}
+    assert out.rounds == len(records) and out.stats["swapped_out" if swap else "recomputed"] >= 3
 
 
 # -- each skip, on a workload made for it: v0.4.0 does what the skip says, tinyserve does not -----
@@ -372,6 +429,23 @@ def test_the_comparison_catches_one_v040_rule_missing(oracle, monkeypatch):
     decisions = {"kind", "scheduled", "recomputed", "swapped_out", "waiting", "running", "swapped"}
     found = next((o for o in map(run, SEEDS) if set(o.differs) & decisions), None)
     assert found is not None, "no workload noticed can_append_slot's rule"
+
+
+def test_the_comparison_catches_ties_broken_by_sequence_id(oracle, monkeypatch):
+    # compat breaking ties of arrival time by sequence id (as it once did) instead of queue order:
+    # some workload with shared arrival times must then decide differently, and none without.
+    def sort_with_ids(sched):
+        def key(group):
+            return group.arrival_time, group.get_seqs()[0].seq_id
+        sched.running, sched.swapped = deque(sorted(sched.running, key=key)), deque(sorted(sched.swapped, key=key))
+
+    monkeypatch.setattr(Scheduler, "_sort_by_arrival", sort_with_ids)
+    assert all(run(seed).mismatch is None for seed in range(50))
+    decisions = {"scheduled", "recomputed", "swapped_out", "swapped_in", "waiting", "running", "swapped"}
+    found = next((o for o in map(run, range(TIED_FROM, len(SEEDS))) if set(o.differs) & decisions), None)
+    assert found is not None, "no workload with shared arrival times noticed how ties are broken"
+
+
 def test_a_missing_oracle_fails_and_says_to_run_make_venv(monkeypatch):
     def not_installed(name):
         raise importlib.metadata.PackageNotFoundError(name)

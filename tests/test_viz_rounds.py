@@ -138,7 +138,6 @@ def test_sweep_shows_the_watermark_cuts_preemptions():
 @pytest.mark.parametrize("name", ["04_static_vs_iteration", "04_orca_vs_vllm_timeline", "05_seed_rounds_blocks",
                                   "05_recompute_vs_swap", "05_watermark_sweep"])
 def test_registered_figures_render(name, tmp_path):
-    figures._load_all()
-    fig = figures.REGISTRY[name]()
+    fig = figures.draw(name)
     path = figures.save(fig, name, tmp_path)
     assert path.stat().st_size > 10_000

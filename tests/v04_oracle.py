@@ -141,17 +141,25 @@ class WorkloadConfig:
 @dataclass(frozen=True)
 class Request:
     """One request: its prompt sequence has id ``index``, its forks ``child_id(index, k)``;
-    it arrives before round ``arrival_round``, at time ``index`` (arrival times are distinct)."""
+    it arrives before round ``arrival_round``, at ``arrival_time`` (by default ``index``, so
+    distinct; several requests may share one). Its id is ``name``, by default ``index``
+    zero-padded (v0.4 sorts a batch by request id, as text: "r10" comes before "r9")."""
 
     index: int
     prompt: tuple[int, ...]
     n: int
     max_tokens: int
     arrival_round: int
+    arrival_time: float | None = None
+    name: str | None = None
 
     @property
     def request_id(self) -> str:
-        return f"r{self.index:03d}"  # zero-padded: v0.4 sorts a batch by request id, as text
+        return self.name if self.name is not None else f"r{self.index:03d}"
+
+    @property
+    def arrival(self) -> float:
+        return float(self.index) if self.arrival_time is None else self.arrival_time
 
 
 def child_id(parent_seq_id: int, k: int) -> int:
@@ -187,13 +195,14 @@ class Decision:
     """What one ``schedule()`` decided, in terms both schedulers share.
 
     ``kind`` is "prompt" (a prompt round: prefills, or only refusals), "decode" or "none".
-    ``scheduled`` maps each scheduled request to its token chunk: a set in effect, as v0.4.0
-    sorts its batch by (LoRA id, request id). ``ignored`` are the requests refused this round.
-    ``errors`` (tinyserve only) are the reasons given for them.
+    ``scheduled`` lists each scheduled request with its token chunk, in batch order (v0.4.0's
+    ``SchedulerOutputs`` sorts its batch by (LoRA id, request id); ``compat="vllm-0.4"`` too).
+    ``ignored`` are the requests refused this round. ``errors`` (tinyserve only) are the reasons
+    given for them.
     """
 
     kind: str
-    scheduled: dict[str, int]
+    scheduled: list[tuple[str, int]]
     ignored: list[str]
     swap_in: dict[int, int]
     swap_out: dict[int, int]
@@ -274,10 +283,15 @@ class _Side:
 class OracleSide(_Side):
     """vLLM v0.4.0's Scheduler and BlockSpaceManagerV1."""
 
-    def __init__(self, cfg: WorkloadConfig) -> None:
+    def __init__(self, cfg: WorkloadConfig, swap: bool = False) -> None:
+        """``swap``: preempt by swapping, whatever the group. v0.4.0's ``_preempt`` takes the mode
+        as an argument (its scheduler never passes one); this passes ``PreemptionMode.SWAP``."""
         self.o = load()
         self.cfg = cfg
         self.sched = make_oracle_scheduler(cfg)
+        if swap:
+            preempt, mode = self.sched._preempt, self.o.scheduler.PreemptionMode.SWAP
+            self.sched._preempt = lambda group, blocks_to_swap_out: preempt(group, blocks_to_swap_out, mode)
         status = self.o.sequence.SequenceStatus
         self.finished_status = {"length": status.FINISHED_LENGTH_CAPPED, "stop": status.FINISHED_STOPPED}
         self.out = None
@@ -286,7 +300,7 @@ class OracleSide(_Side):
         seq_mod = self.o.sequence
         seq = seq_mod.Sequence(req.index, None, list(req.prompt), self.cfg.block_size)
         params = self.o.sampling_params.SamplingParams(n=req.n, max_tokens=req.max_tokens, temperature=1.0)
-        self.sched.add_seq_group(seq_mod.SequenceGroup(req.request_id, [seq], params, float(req.index)))
+        self.sched.add_seq_group(seq_mod.SequenceGroup(req.request_id, [seq], params, req.arrival))
 
     def schedule(self) -> Decision:
         """One round; lets v0.4.0's RuntimeError (CPU swap space full) through."""
@@ -294,7 +308,7 @@ class OracleSide(_Side):
         self.out = out
         return Decision(
             kind=_kind(bool(out.scheduled_seq_groups), out.prompt_run, bool(out.ignored_seq_groups)),
-            scheduled={s.seq_group.request_id: s.token_chunk_size for s in out.scheduled_seq_groups},
+            scheduled=[(s.seq_group.request_id, s.token_chunk_size) for s in out.scheduled_seq_groups],
             ignored=sorted(g.request_id for g in out.ignored_seq_groups),
             swap_in=dict(out.blocks_to_swap_in), swap_out=dict(out.blocks_to_swap_out),
             copy={k: list(v) for k, v in out.blocks_to_copy.items()})
@@ -332,11 +346,11 @@ class TinyserveSide(_Side):
 
     finished_status = {"length": SequenceStatus.FINISHED_LENGTH_CAPPED, "stop": SequenceStatus.FINISHED_STOPPED}
 
-    def __init__(self, cfg: WorkloadConfig, compat: str = "vllm-0.4") -> None:
+    def __init__(self, cfg: WorkloadConfig, compat: str = "vllm-0.4", swap: bool = False) -> None:
         self.cfg = cfg
         self.sched = Scheduler(
             SchedulerConfig(max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-                            max_model_len=cfg.max_model_len, compat=compat),
+                            max_model_len=cfg.max_model_len, compat=compat, preemption_mode="swap" if swap else None),
             CacheConfig(block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks,
                         num_cpu_blocks=cfg.num_cpu_blocks, watermark=cfg.watermark))
         self.stand_ins: list[str] = []
@@ -354,7 +368,7 @@ class TinyserveSide(_Side):
     def add(self, req: Request) -> None:
         seq = Sequence(req.index, None, list(req.prompt), self.cfg.block_size)
         params = SamplingParams(n=req.n, max_tokens=req.max_tokens, temperature=1.0)
-        self.sched.add_seq_group(SequenceGroup(req.request_id, [seq], params, float(req.index)))
+        self.sched.add_seq_group(SequenceGroup(req.request_id, [seq], params, req.arrival))
 
     def schedule(self) -> Decision:
         self.stand_ins.clear()
@@ -365,7 +379,7 @@ class TinyserveSide(_Side):
                                                                         bool(out.ignored_seq_groups))
         return Decision(
             kind=kind,
-            scheduled={s.seq_group.request_id: s.token_chunk_size for s in out.scheduled_seq_groups},
+            scheduled=[(s.seq_group.request_id, s.token_chunk_size) for s in out.scheduled_seq_groups],
             ignored=sorted(g.request_id for g in out.ignored_seq_groups),
             swap_in=dict(out.blocks_to_swap_in), swap_out=dict(out.blocks_to_swap_out),
             copy={k: list(v) for k, v in out.blocks_to_copy.items()},
@@ -378,7 +392,8 @@ class TinyserveSide(_Side):
                 "swapped_in": sorted(out.swapped_in)}
 
     def play(self, stub: ModelStub) -> None:
-        """The same bookkeeping as ``OracleSide.play``, with tinyserve's pieces, in v0.4.0's order."""
+        """The same bookkeeping as ``OracleSide.play``, with tinyserve's pieces, in v0.4.0's order
+        (the batch's own under ``compat="vllm-0.4"``; ``"tinyserve"`` keeps the order it scheduled)."""
         out = self.out
         self.sched.update_num_computed_tokens(out)
         for scheduled in sorted(out.scheduled_seq_groups, key=lambda s: s.seq_group.request_id):

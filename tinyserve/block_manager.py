@@ -12,7 +12,6 @@ import enum
 from collections.abc import Callable
 
 from tinyserve.block import BlockAllocator, Device, OutOfBlocksError, PhysicalTokenBlock
-from tinyserve.config import CacheConfig
 from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BlockTable = list[PhysicalTokenBlock]
@@ -181,7 +180,7 @@ class BlockSpaceManager:
 
     def swap_in(self, seq_group: SequenceGroup) -> dict[int, int]:
         """Move the group's blocks CPU -> GPU. Returns {cpu block: gpu block}."""
-        return self._move(seq_group, SequenceStatus.SWAPPED, self.cpu_allocator, self.gpu_allocator)
+        return self._move(seq_group, SequenceStatus.SWAPPED, self.gpu_allocator)
 
     def can_swap_out(self, seq_group: SequenceGroup) -> bool:
         return len(self._physical_blocks(seq_group)) <= self.cpu_allocator.get_num_free_blocks()
@@ -195,24 +194,32 @@ class BlockSpaceManager:
                 f"{self.cpu_allocator.get_num_free_blocks()} of {self.num_total_cpu_blocks} are free; "
                 "raise num_cpu_blocks (swap space) or use preemption_mode='recompute'"
             )
-        return self._move(seq_group, SequenceStatus.RUNNING, self.gpu_allocator, self.cpu_allocator)
+        return self._move(seq_group, SequenceStatus.RUNNING, self.cpu_allocator)
 
-    def _move(self, seq_group: SequenceGroup, status: SequenceStatus,
-              src_alloc: BlockAllocator, dst_alloc: BlockAllocator) -> dict[int, int]:
+    def _move(self, seq_group: SequenceGroup, status: SequenceStatus, dst_alloc: BlockAllocator) -> dict[int, int]:
+        """Give every block of the group's sequences a block in ``dst_alloc``'s pool and free the
+        old one. Returns {old block: new block} for the contents the worker must copy."""
         mapping: dict[int, PhysicalTokenBlock] = {}
         for seq in seq_group.get_seqs(status):
             new_table: BlockTable = []
             for src in self.block_tables[seq.seq_id]:
-                if src.block_number in mapping:
+                if src.block_number in mapping:  # shared with a sequence moved before: moves once
                     dst = mapping[src.block_number]
                     dst.ref_count += 1
                 else:
-                    dst = dst_alloc.allocate()
-                    mapping[src.block_number] = dst
+                    dst, needs_copy = self._destination(src, dst_alloc)
+                    if needs_copy:
+                        mapping[src.block_number] = dst
                 new_table.append(dst)
-                src_alloc.free(src)
+                self._free_block(src)
             self.block_tables[seq.seq_id] = new_table
         return {src: dst.block_number for src, dst in mapping.items()}
+
+    def _destination(self, src: PhysicalTokenBlock, dst_alloc: BlockAllocator) -> tuple[PhysicalTokenBlock, bool]:
+        """The block that takes ``src``'s content on the other device, and whether the worker must
+        copy it there: always a fresh block and a copy here. (A subclass may find a block that
+        already holds it: see ``prefix_cache.PrefixCachingBlockSpaceManager``.)"""
+        return dst_alloc.allocate(), True
 
     # -- release ---------------------------------------------------------------------------
 
@@ -222,7 +229,11 @@ class BlockSpaceManager:
         if table is None:
             return
         for block in table:
-            (self.gpu_allocator if block.device == Device.GPU else self.cpu_allocator).free(block)
+            self._free_block(block)
+
+    def _free_block(self, block: PhysicalTokenBlock) -> None:
+        """Drop one owner of a block, in the pool of its device."""
+        (self.gpu_allocator if block.device == Device.GPU else self.cpu_allocator).free(block)
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         return [b.block_number for b in self.block_tables[seq.seq_id]]
@@ -277,17 +288,3 @@ class V04BlockSpaceManager(BlockSpaceManager):
         # v0.4's "simple heuristic": one free block for every running sequence, whether or not
         # its next token needs one.
         return seq_group.num_seqs(SequenceStatus.RUNNING) <= self.gpu_allocator.get_num_free_blocks()
-
-
-def make_block_manager(cache_config: CacheConfig, compat: str = "tinyserve") -> BlockSpaceManager:
-    """The block manager a config asks for: vLLM v0.4's rules, prefix caching, or the plain one."""
-    from tinyserve.prefix_cache import PrefixCachingBlockSpaceManager  # an extension built on this module
-
-    if compat == "vllm-0.4":
-        cls = V04BlockSpaceManager
-    elif cache_config.enable_prefix_caching:
-        cls = PrefixCachingBlockSpaceManager
-    else:
-        cls = BlockSpaceManager
-    return cls(cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks,
-               watermark=cache_config.watermark)

@@ -95,10 +95,16 @@ class PreemptionMixin:
         out.blocks_to_swap_out.update(self.block_manager.swap_out(group))
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             seq.status = SequenceStatus.SWAPPED
+        out.swapped_out.append(group.request_id)
+        # >>> chapter 05: vLLM v0.4 compat
+        if self.scheduler_config.compat == "vllm-0.4":
+            # v0.4 appends, and sorts `swapped` by arrival before use: equal arrival times keep this order.
+            self.swapped.append(group)
+            return
+        # <<<
         # To the front: victims are taken newest first, so this keeps `swapped` oldest first
         # (FCFS when they come back) and `running` in arrival order after they do.
         self.swapped.appendleft(group)
-        out.swapped_out.append(group.request_id)
 
     def _unschedule(self, group: SequenceGroup, kept: deque[SequenceGroup], out: SchedulerOutputs,
                     budget: SchedulingBudget) -> None:

@@ -21,7 +21,7 @@ from collections import OrderedDict, deque
 
 from tinyserve.block import BlockAllocator, Device, OutOfBlocksError, PhysicalTokenBlock
 from tinyserve.block_manager import AllocatorFactory, BlockSpaceManager, BlockTable
-from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus
+from tinyserve.sequence import Sequence
 
 
 def hash_block_tokens(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -181,26 +181,14 @@ class PrefixCachingBlockSpaceManager(BlockSpaceManager):
 
     # -- swapping blocks that several requests share ------------------------------------------
 
-    def _move(self, seq_group: SequenceGroup, status: SequenceStatus,
-              src_alloc: BlockAllocator, dst_alloc: BlockAllocator) -> dict[int, int]:
-        mapping: dict[int, PhysicalTokenBlock] = {}
-        for seq in seq_group.get_seqs(status):
-            new_table: BlockTable = []
-            for src in self.block_tables[seq.seq_id]:
-                if src.block_number in mapping:
-                    dst = mapping[src.block_number]
-                    dst.ref_count += 1
-                else:
-                    dst = self._shared_copy(src, dst_alloc)
-                    if dst is None:  # nobody holds a copy yet: make one (the worker copies it)
-                        dst = dst_alloc.allocate()
-                        mapping[src.block_number] = dst
-                        self._name_copy(src, dst)
-                new_table.append(dst)
-                src_alloc.free(src)
-                self._forget_if_free(src)
-            self.block_tables[seq.seq_id] = new_table
-        return {src: dst.block_number for src, dst in mapping.items()}
+    def _destination(self, src: PhysicalTokenBlock, dst_alloc: BlockAllocator) -> tuple[PhysicalTokenBlock, bool]:
+        """A block on the other device that already holds src's content is shared, not copied."""
+        shared = self._shared_copy(src, dst_alloc)
+        if shared is not None:
+            return shared, False
+        dst = dst_alloc.allocate()  # nobody holds a copy yet: make one (the worker copies it)
+        self._name_copy(src, dst)
+        return dst, True
 
     def _name_of(self, block: PhysicalTokenBlock) -> int | None:
         """The prefix a block holds for sure (written, not in flight), or None."""
@@ -238,8 +226,6 @@ class PrefixCachingBlockSpaceManager(BlockSpaceManager):
             if name is not None and self._cpu_by_hash.get(name) is block:
                 del self._cpu_by_hash[name]
 
-    def free(self, seq: Sequence) -> None:
-        table = self.block_tables.get(seq.seq_id, [])
-        super().free(seq)
-        for block in table:
-            self._forget_if_free(block)
+    def _free_block(self, block: PhysicalTokenBlock) -> None:
+        super()._free_block(block)
+        self._forget_if_free(block)

@@ -25,15 +25,17 @@ part: ``block_manager``, ``choose_victim`` and ``can_admit`` (see ``Scheduler``)
 ``SchedulerConfig(compat="vllm-0.4")`` follows vLLM v0.4.0's runtime rules instead of tinyserve's
 (``vllm/core/scheduler.py``, ``vllm/core/block_manager_v1.py``; the ``"vllm"`` policy only): the
 block manager's rules and stack of free blocks (``V04BlockSpaceManager``), ``running`` and
-``swapped`` sorted by arrival every round, and a group preempted by recompute admitted again
-whole, and dropped if it has outgrown the limit. Preemption decides as v0.4's ``_preempt`` does
-under either setting. Even under compat no request stalls the others (v0.4 would wait forever
-on a request that can never fit, and stop on a full CPU swap space).
+``swapped`` sorted stably by arrival (swapped-out groups join at the back), the batch
+in request-id order, and a group preempted by recompute admitted again whole (dropped if it has
+outgrown the limit). Preemption decides as v0.4's ``_preempt`` does under either setting. Even under
+compat no request stalls the others (v0.4 waits forever on one that never fits, stops on full swap).
 
-tinyserve relaxes three of v0.4.0's configuration checks: ``max_num_batched_tokens <
+tinyserve relaxes one of v0.4.0's configuration checks: ``max_num_batched_tokens <
 max_model_len`` without chunked prefill (the seed preset's budget of 10 tokens takes two of three
-prompts in round 1; the prompt limit becomes the smaller of the two), a ``block_size`` other than
-8, 16 or 32 (the seed preset's 5), and block counts given by hand (preemption comes early).
+prompts in round 1; the prompt limit becomes the smaller of the two). v0.4.0 checks no block size
+(its ``--block-size`` offers 8, 16, 32 and 128, and its CUDA kernel takes 8, 16 or 32, so the seed
+preset's 5 would fail there, not in the scheduler) and takes block counts given by hand
+(``forced_num_gpu_blocks``).
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ from collections import deque
 from collections.abc import Callable
 
 from tinyserve import refusals
-from tinyserve.block_manager import AllocStatus, BlockSpaceManager, make_block_manager
+from tinyserve.block_manager import AllocStatus, BlockSpaceManager, V04BlockSpaceManager
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.postprocess import PostprocessMixin
 from tinyserve.preemption import PreemptionMixin, VictimPolicy, preempt_newest
+from tinyserve.prefix_cache import PrefixCachingBlockSpaceManager
 from tinyserve.refusals import RefusalMixin
 from tinyserve.scheduler_outputs import PreemptionMode, ScheduledSequenceGroup, SchedulerOutputs, SchedulingBudget
 from tinyserve.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
@@ -183,11 +186,13 @@ class Scheduler(SplitPrefillMixin, PreemptionMixin, RefusalMixin, PostprocessMix
 
     def _sort_by_arrival(self) -> None:
         """v0.4's FCFS policy re-sorts ``running`` before decoding and ``swapped`` before swapping
-        in, every round; sorting both first is the same (a round that swaps in preempted nobody).
+        in, in the rounds that reach the decode phase. Sorting both at the start of every round
+        decides the same: a stable sort of a sorted queue plus newcomers orders them as one sort of
+        the unsorted queue does, and a round that swaps in preempted nobody.
         tinyserve does not sort: its queues keep arrival order unless preemptions mix swap and
-        recompute. Ties of the simulator's round numbers go by first sequence id, arrival order."""
-        def key(group: SequenceGroup) -> tuple[float, int]:
-            return group.arrival_time, group.get_seqs()[0].seq_id
+        recompute. The sort is stable, as v0.4's: among equal arrival times queue order wins."""
+        def key(group: SequenceGroup) -> float:
+            return group.arrival_time
         self.running = deque(sorted(self.running, key=key))
         self.swapped = deque(sorted(self.swapped, key=key))
 
@@ -292,6 +297,12 @@ class Scheduler(SplitPrefillMixin, PreemptionMixin, RefusalMixin, PostprocessMix
                   num_new_tokens: int, is_prompt: bool) -> None:
         scheduled = ScheduledSequenceGroup(group, num_new_tokens, is_prompt)
         out.scheduled_seq_groups.append(scheduled)
+        # >>> chapter 05: vLLM v0.4 compat
+        if self.scheduler_config.compat == "vllm-0.4":
+            # v0.4's SchedulerOutputs sorts its batch by (LoRA id, request id): without LoRA, by
+            # request id as text ("r10" before "r9").
+            out.scheduled_seq_groups.sort(key=lambda s: s.seq_group.request_id)
+        # <<<
         budget.add(num_new_tokens=scheduled.num_batched_tokens)
         out.num_batched_tokens = budget.num_batched_tokens
 
@@ -301,3 +312,18 @@ class Scheduler(SplitPrefillMixin, PreemptionMixin, RefusalMixin, PostprocessMix
             if cow is not None:
                 src, dst = cow
                 out.blocks_to_copy.setdefault(src, []).append(dst)
+
+
+def make_block_manager(cache_config: CacheConfig, compat: str = "tinyserve") -> BlockSpaceManager:
+    """The block manager a config asks for: vLLM v0.4's rules, prefix caching, or the plain one.
+
+    It lives here, a layer above the managers, because it picks among ``block_manager``'s classes
+    and their extension in ``prefix_cache``, which imports ``block_manager``."""
+    if compat == "vllm-0.4":
+        cls = V04BlockSpaceManager
+    elif cache_config.enable_prefix_caching:
+        cls = PrefixCachingBlockSpaceManager
+    else:
+        cls = BlockSpaceManager
+    return cls(cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks,
+               watermark=cache_config.watermark)

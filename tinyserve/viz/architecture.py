@@ -7,7 +7,6 @@ map). Chapters 06 and 09 draw it again.
 
 from __future__ import annotations
 
-from tinyserve.viz.figures import figure
 from tinyserve.viz.style import pyplot
 
 # Which chapters build which part (the book's map, drawn as badges on the architecture).
@@ -139,11 +138,9 @@ def draw_architecture(ax=None, chapters: bool = False, title: str | None = None)
     return ax.figure
 
 
-@figure("00_architecture")
 def fig_architecture():
     return draw_architecture(title="The engine: the Scheduler decides, the Worker computes")
 
 
-@figure("00_chapter_map")
 def fig_chapter_map():
     return draw_architecture(chapters=True, title="Where each chapter builds its part (red badges: chapter numbers)")

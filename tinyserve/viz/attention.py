@@ -7,7 +7,6 @@ each sequence's tokens in order above, the pool they landed in below.
 from __future__ import annotations
 
 from tinyserve.lab.paged_run import PagedRun, TokenWrite, seed_paged_run
-from tinyserve.viz.figures import figure
 from tinyserve.viz.style import owner_colors, pyplot
 
 
@@ -93,7 +92,6 @@ def draw_token_slots(writes: list[TokenWrite], block_size: int, num_blocks: int,
     return fig
 
 
-@figure("07_token_slots")
 def fig_token_slots(run: PagedRun | None = None, tokenizer=None):
     if run is None:
         from tinyserve.models.loader import load_model

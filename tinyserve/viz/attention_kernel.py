@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import math
 
-from tinyserve.lab.bandwidth import FLOOR_SHAPES, H200_BANDWIDTH, KERNEL_RESULTS, floor_table, load_kernel_results
+from tinyserve.lab.bandwidth import FLOOR_SHAPES, H200_BANDWIDTH, floor_table, load_kernel_results
 from tinyserve.lab.kernel_plan import EXAMPLE, H200_SMS, DecodePlan, example_batch, example_walk, plan_decode
 from tinyserve.lab.softmax_walk import ProgramWalk
-from tinyserve.viz.figures import figure
 from tinyserve.viz.style import PALETTE, pick, pyplot
 
 
@@ -182,10 +181,9 @@ def draw_kernel_bandwidth(rows: list[dict]):
     return fig
 
 
-# -- registered figures (make figures) ----------------------------------------------------------
+# -- the figures of make figures (listed in figures.py) -----------------------------------------
 
 
-@figure("08_program_grid")
 def fig_program_grid():
     ex = EXAMPLE
     tables, _ = example_batch(ex["context_lens"], ex["block_size"])
@@ -194,16 +192,15 @@ def fig_program_grid():
     return draw_program_grid(plan, tables, title=f"the decode grid on a GPU with {H200_SMS} SMs")
 
 
-@figure("08_program_walk")
 def fig_program_walk():
     walk, e = example_walk()
     return draw_program_walk(walk, e.tables, e.num_blocks, seq=0)
 
 
-@figure("08_bandwidth_floor")
 def fig_bandwidth_floor():
     return draw_bandwidth_floor()
 
 
-if KERNEL_RESULTS.exists():  # measured results only where a GPU run left them
-    figure("08_kernel_bandwidth")(lambda: draw_kernel_bandwidth(load_kernel_results()))
+def fig_kernel_bandwidth():
+    """The GPU benchmark's measured bandwidth (a figure only where a GPU run left its CSV)."""
+    return draw_kernel_bandwidth(load_kernel_results())

@@ -24,7 +24,6 @@ from tinyserve.lab.beyond_runs import (
     system_prompt_requests,
 )
 from tinyserve.sim import RoundRecord
-from tinyserve.viz.figures import figure
 from tinyserve.viz.style import PALETTE, REQUEST_PALETTE, UNSHARED, pick, pyplot
 
 LONG_COLOR = PALETTE[1]
@@ -113,9 +112,8 @@ def draw_chunked_timeline(records: Sequence[RoundRecord], output_lens: dict[str,
     return ax
 
 
-# -- registered figures (simulator runs: no model needed) ---------------------------------------
+# -- make figures' figures (simulator runs: no model needed) ------------------------------------
 
-@figure("12_prefix_sharing")
 def fig_prefix_sharing():
     requests = system_prompt_requests()
     records = prefix_sharing_run(True)
@@ -126,7 +124,6 @@ def fig_prefix_sharing():
                                title="Four requests with a 28-token system prompt (blocks of 8), prefix caching on")
 
 
-@figure("12_chunked_prefill")
 def fig_chunked_prefill():
     plt = pyplot()
     lens = {r.request_id: r.output_len for r in long_prompt_requests()}

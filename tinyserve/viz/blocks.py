@@ -18,7 +18,6 @@ from tinyserve.block_manager import BlockSpaceManager
 from tinyserve.lab.block_snapshot import BlockSnapshot, snapshot, snapshot_tables
 from tinyserve.lab.block_stories import block_manager_story, seed_tables_example
 from tinyserve.sequence import Sequence
-from tinyserve.viz.figures import figure
 from tinyserve.viz.style import FREE_COLOR, UNKNOWN_OWNER, owner_colors, pyplot
 
 CELL_W, CELL_H = 0.9, 0.8   # a cell inside its 1 x 1 grid slot
@@ -241,15 +240,13 @@ def draw_pool(block_tables: dict[str, list[int]], num_blocks: int, ax=None, titl
     return ax
 
 
-# -- registered figures (the chapters' examples, rebuilt for `make figures`) -----------------------
+# -- the chapters' examples, rebuilt for `make figures` (listed in figures.py) ---------------------
 
 
-@figure("02_block_tables")
 def block_tables_figure():
     alloc, live = seed_tables_example()
     return draw_sequence_tables(alloc, live, title="s0 and s2 after 8 decode steps (s1 has finished)").figure
 
 
-@figure("03_block_table_history")
 def block_table_history_figure():
     return draw_block_table_history(block_manager_story(), ncols=2)

@@ -13,7 +13,6 @@ import torch
 
 from tinyserve.lab.cache_sizing import GiB, memory_budget, plain_offset, split_x_offset
 from tinyserve.lab.marked_cache import CopyOnWriteStory, PoolFrame, copy_on_write_story, seed_cache_rounds
-from tinyserve.viz.figures import figure
 from tinyserve.viz.style import PALETTE, owner_colors, pick, pyplot
 
 
@@ -79,7 +78,6 @@ def draw_pools(frame: PoolFrame, ax=None, colors: dict[str, str] | None = None, 
 SWAP_FIGURE_ROUNDS = (2, 3, 8, 12)
 
 
-@figure("06_swap_pools")
 def fig_swap_pools(frames: list[PoolFrame] | None = None, rounds: tuple[int, ...] = SWAP_FIGURE_ROUNDS):
     """The seed story's pools after the rounds that move blocks: s2 leaves in round 3, s1 in
     round 8, s2 comes back in round 12 into a different GPU block."""
@@ -96,7 +94,6 @@ def fig_swap_pools(frames: list[PoolFrame] | None = None, rounds: tuple[int, ...
     return fig
 
 
-@figure("06_copy_on_write")
 def fig_copy_on_write(story: CopyOnWriteStory | None = None):
     story = story or copy_on_write_story()
     plt = pyplot()
@@ -116,7 +113,6 @@ def fig_copy_on_write(story: CopyOnWriteStory | None = None):
 # -- sizing a device -----------------------------------------------------------------------------
 
 
-@figure("06_memory_budget")
 def fig_memory_budget(total: int = 80 * GiB, used: int = int(13.5e9) + GiB // 2, activation: int = 2 * GiB,
                       shape: tuple[int, int, int] = (32, 32, 128), dtype: torch.dtype = torch.float16,
                       utilization: float = 0.9, block_size: int = 16):
@@ -196,6 +192,5 @@ def draw_split_x(block_size: int = 4, num_heads: int = 2, head_dim: int = 8, x: 
     return fig
 
 
-@figure("06_split_x_layout")
 def fig_split_x_layout():
     return draw_split_x()

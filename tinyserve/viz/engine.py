@@ -18,7 +18,6 @@ from tinyserve.lab.tracing import DEFAULT_SAMPLING_SETTINGS, sampling_probs, see
 from tinyserve.model_runner import ModelInput
 from tinyserve.sequence import SequenceGroupMetadata
 from tinyserve.sim import RoundRecord
-from tinyserve.viz.figures import figure
 from tinyserve.viz.rounds import draw_timeline
 from tinyserve.viz.style import REQUEST_PALETTE, TIME_PART_COLORS, pick, pyplot
 
@@ -184,7 +183,7 @@ def draw_engine_step_times(step_times: Sequence[tuple[float, float, float, float
     return ax.figure
 
 
-# -- the registered chapter 09 figures: one real run of s0/s1/s2 ----------------------------------
+# -- make figures' chapter 09 figures: one real run of s0/s1/s2 -----------------------------------
 
 def fig_packed_inputs(prefill=None, decode=None, block_size: int = 5, tokenizer=None):
     """Rounds 1 (prefill of s0, s1) and 3 (decode of s0, s1) of the walkthrough, packed."""
@@ -203,10 +202,6 @@ def fig_packed_inputs(prefill=None, decode=None, block_size: int = 5, tokenizer=
     return fig
 
 
-figure("09_packed_inputs")(fig_packed_inputs)
-
-
-@figure("09_sampling")
 def fig_sampling(logits_row: torch.Tensor | None = None, tokenizer=None):
     """s0's first next-token distribution ("Hello, my name is" → ?) under five settings."""
     if logits_row is None:
@@ -216,14 +211,12 @@ def fig_sampling(logits_row: torch.Tensor | None = None, tokenizer=None):
                                                       "sampler draw")
 
 
-@figure("09_seed_rounds")
 def fig_seed_rounds(records: Sequence[RoundRecord] | None = None):
     records = records if records is not None else seed_run().engine.history
     return draw_token_timeline(records, title="s0, s1, s2 on the real engine (swap preemption): what each round "
                                               "produced")
 
 
-@figure("09_step_times")
 def fig_step_times(engine=None):
     engine = engine if engine is not None else seed_run().engine
     return draw_engine_step_times(engine.times.history, engine.history,

@@ -1,42 +1,71 @@
 """Regenerate every figure in ``figures/`` from the drawing functions (``make figures``).
 
-A drawing module registers a figure with ``@figure("NN_name")``; the function returns a
-matplotlib Figure built from real objects (simulator runs, live block managers, benchmark CSVs).
+``REGISTRY`` is the list: each figure's name and the function that draws it, as ``"module:function"``
+in ``tinyserve.viz``. The function takes no argument and returns a matplotlib Figure built from real
+objects (simulator runs, live block managers, benchmark CSVs). The drawing modules know nothing of
+this list: it names them, and ``draw`` imports the one it needs, so importing this module for
+``save`` stays cheap.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-REGISTRY: dict[str, Callable] = {}
+from tinyserve.lab.bandwidth import KERNEL_RESULTS
+
+REGISTRY: dict[str, str] = {
+    "00_architecture": "architecture:fig_architecture",
+    "00_chapter_map": "architecture:fig_chapter_map",
+    "01_fragmentation": "kv_cache:fragmentation_figure",
+    "01_kv_sizes": "kv_cache:kv_sizes_figure",
+    "02_block_tables": "blocks:block_tables_figure",
+    "02_slot_mapping": "slots:slot_mapping_figure",
+    "03_block_table_history": "blocks:block_table_history_figure",
+    "04_orca_vs_vllm_timeline": "rounds:fig_orca_vs_vllm",
+    "04_static_vs_iteration": "rounds:fig_static_vs_iteration",
+    "05_recompute_vs_swap": "rounds:fig_recompute_vs_swap",
+    "05_seed_rounds_blocks": "rounds:fig_seed_rounds_blocks",
+    "05_watermark_sweep": "rounds:fig_watermark_sweep",
+    "06_copy_on_write": "cache:fig_copy_on_write",
+    "06_memory_budget": "cache:fig_memory_budget",
+    "06_split_x_layout": "cache:fig_split_x_layout",
+    "06_swap_pools": "cache:fig_swap_pools",
+    "07_token_slots": "attention:fig_token_slots",
+    "08_bandwidth_floor": "attention_kernel:fig_bandwidth_floor",
+    "08_program_grid": "attention_kernel:fig_program_grid",
+    "08_program_walk": "attention_kernel:fig_program_walk",
+    "09_packed_inputs": "engine:fig_packed_inputs",
+    "09_sampling": "engine:fig_sampling",
+    "09_seed_rounds": "engine:fig_seed_rounds",
+    "09_step_times": "engine:fig_step_times",
+    "10_column_row_parallel": "parallel:column_row_parallel_figure",
+    "10_memory_per_rank": "parallel:memory_per_rank_figure",
+    "11_kv_utilization": "performance:kv_utilization_figure",
+    "11_step_breakdown": "performance:step_breakdown_figure",
+    "11_sweeps": "performance:sweeps_figure",
+    "11_throughput": "performance:throughput_figure",
+    "11_throughput_sweep": "sweep:sweep_figure",
+    "12_chunked_prefill": "beyond:fig_chunked_prefill",
+    "12_prefix_sharing": "beyond:fig_prefix_sharing",
+}
+if KERNEL_RESULTS.exists():  # measured results only where a GPU run left them
+    REGISTRY["08_kernel_bandwidth"] = "attention_kernel:fig_kernel_bandwidth"
 
 
-def figure(name: str) -> Callable[[Callable], Callable]:
-    def register(fn: Callable) -> Callable:
-        REGISTRY[name] = fn
-        return fn
-    return register
+def drawing_function(name: str) -> Callable:
+    """The function that draws the registered figure ``name``."""
+    module, _, function = REGISTRY[name].partition(":")
+    return getattr(importlib.import_module(f"tinyserve.viz.{module}"), function)
 
 
-def _load_all() -> None:
-    # Every module that registers a figure, imported by name (tests/test_names.py checks the list).
-    import tinyserve.viz.architecture  # noqa: F401
-    import tinyserve.viz.attention  # noqa: F401
-    import tinyserve.viz.attention_kernel  # noqa: F401
-    import tinyserve.viz.beyond  # noqa: F401
-    import tinyserve.viz.blocks  # noqa: F401
-    import tinyserve.viz.cache  # noqa: F401
-    import tinyserve.viz.engine  # noqa: F401
-    import tinyserve.viz.kv_cache  # noqa: F401
-    import tinyserve.viz.parallel  # noqa: F401
-    import tinyserve.viz.performance  # noqa: F401
-    import tinyserve.viz.rounds  # noqa: F401
-    import tinyserve.viz.slots  # noqa: F401
-    import tinyserve.viz.sweep  # noqa: F401
+def draw(name: str):
+    """Draw the registered figure ``name``: a matplotlib Figure."""
+    return drawing_function(name)()
 
 
 def figures_dir() -> Path:
@@ -69,10 +98,9 @@ def main(out_dir: str | None = None) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    _load_all()
     paths = []
-    for name, fn in sorted(REGISTRY.items()):
-        fig = fn()
+    for name in sorted(REGISTRY):
+        fig = draw(name)
         paths.append(save(fig, name, out_dir))
         plt.close(fig)
         print(f"wrote {paths[-1]}")
@@ -80,8 +108,4 @@ def main(out_dir: str | None = None) -> list[Path]:
 
 
 if __name__ == "__main__":
-    # Run as a script this file is ``__main__``, but drawing modules register into the importable
-    # ``tinyserve.viz.figures``: call that module's main so its registry is the one filled.
-    from tinyserve.viz.figures import main as _main
-
-    _main(sys.argv[1] if len(sys.argv) > 1 else str(repo_figures_dir()))
+    main(sys.argv[1] if len(sys.argv) > 1 else str(repo_figures_dir()))

@@ -8,7 +8,6 @@ only draws them.
 from __future__ import annotations
 
 from tinyserve.lab.kv_memory import MODELS, SCHEME_LABELS, SCHEMES, FragmentationResult, kv_table, measure_fragmentation
-from tinyserve.viz.figures import figure
 from tinyserve.viz.style import SLOT_COLORS, SLOT_NAMES, pyplot
 
 
@@ -49,7 +48,6 @@ def draw_fragmentation(results: dict[str, FragmentationResult], axes=None, only_
     return fig
 
 
-@figure("01_fragmentation")
 def fragmentation_figure():
     return draw_fragmentation(measure_fragmentation())
 
@@ -78,6 +76,5 @@ def draw_kv_sizes(context: int = 2048, ax=None):
     return ax.figure
 
 
-@figure("01_kv_sizes")
 def kv_sizes_figure():
     return draw_kv_sizes()

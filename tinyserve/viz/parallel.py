@@ -11,7 +11,6 @@ from __future__ import annotations
 from tinyserve.lab.tp_memory import memory_table
 from tinyserve.models.loader import smollm2_135m_config
 from tinyserve.parallel import shard_shapes
-from tinyserve.viz.figures import figure
 from tinyserve.viz.style import PALETTE, pick, pyplot
 
 
@@ -66,7 +65,6 @@ def draw_column_row_parallel(hf_config=None, tp_size: int = 3, tokens: int = 5):
     return fig
 
 
-@figure("10_column_row_parallel")
 def column_row_parallel_figure():
     return draw_column_row_parallel()
 
@@ -101,7 +99,6 @@ def draw_memory_per_rank(shapes: dict | None = None, bytes_per_param: int = 2, g
     return fig
 
 
-@figure("10_memory_per_rank")
 def memory_per_rank_figure():
     return draw_memory_per_rank()
 

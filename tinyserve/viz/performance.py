@@ -10,7 +10,6 @@ import numpy as np
 
 from tinyserve.lab.perf.results import SYSTEMS, read_results
 from tinyserve.lab.perf.steps import STEP_PARTS
-from tinyserve.viz.figures import figure
 from tinyserve.viz.style import PHASE_COLORS, SYSTEM_COLORS, pyplot
 
 
@@ -125,21 +124,17 @@ def draw_step_breakdown(rows: list[dict]):
     return fig
 
 
-@figure("11_throughput")
 def throughput_figure():
     return draw_headline(read_results("throughput"))
 
 
-@figure("11_sweeps")
 def sweeps_figure():
     return draw_sweeps(read_results("throughput"))
 
 
-@figure("11_kv_utilization")
 def kv_utilization_figure():
     return draw_kv_utilization(read_results("memory"))
 
 
-@figure("11_step_breakdown")
 def step_breakdown_figure():
     return draw_step_breakdown(read_results("step_times"))

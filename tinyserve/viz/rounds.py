@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from tinyserve.lab.batching import preemption_sweep, random_requests, static_batching
 from tinyserve.lab.records import idle_slots, request_order, request_states, round_caption
 from tinyserve.sim import RoundRecord, simulate
-from tinyserve.viz.figures import figure
 from tinyserve.viz.style import FINISH_MARK, REQUEST_PALETTE, STATES, SWAP_IN_MARK, pick, pyplot
 
 
@@ -200,13 +199,12 @@ def draw_preemption_sweep(results: dict[float, list[dict]], title: str | None = 
     return fig
 
 
-# -- the registered figures ---------------------------------------------------------------------
+# -- the figures of make figures (listed in figures.py) -----------------------------------------
 
 def _run(preset) -> list[RoundRecord]:
     return simulate(preset.requests, preset.scheduler_config, preset.cache_config)
 
 
-@figure("04_static_vs_iteration")
 def fig_static_vs_iteration():
     from tinyserve import presets
 
@@ -223,7 +221,6 @@ def fig_static_vs_iteration():
     return fig
 
 
-@figure("04_orca_vs_vllm_timeline")
 def fig_orca_vs_vllm():
     from tinyserve import presets
 
@@ -237,7 +234,6 @@ def fig_orca_vs_vllm():
     return fig
 
 
-@figure("05_seed_rounds_blocks")
 def fig_seed_rounds_blocks():
     from tinyserve import presets
 
@@ -245,7 +241,6 @@ def fig_seed_rounds_blocks():
                        title="s0, s1, s2: rounds 1-3 with their block tables (swap preemption)")
 
 
-@figure("05_recompute_vs_swap")
 def fig_recompute_vs_swap():
     from tinyserve import presets
 
@@ -264,7 +259,6 @@ SWEEP_BLOCKS = tuple(range(16, 81, 4))
 SWEEP_WATERMARKS = (0.0, 0.05, 0.1, 0.2)
 
 
-@figure("05_watermark_sweep")
 def fig_watermark_sweep():
     results = preemption_sweep(random_requests(), SWEEP_BLOCKS, SWEEP_WATERMARKS)
     return draw_preemption_sweep(results, title="24 random requests, recompute preemption, block size 4")

@@ -4,7 +4,6 @@ worker writes its K/V (block number x block size + offset)."""
 from __future__ import annotations
 
 from tinyserve.lab.block_stories import seed_tables_example
-from tinyserve.viz.figures import figure
 from tinyserve.viz.style import owner_colors, pyplot
 
 
@@ -47,7 +46,6 @@ def draw_slots(block_tables: dict[str, list[int]], seq_lens: dict[str, int], num
     return ax
 
 
-@figure("02_slot_mapping")
 def slot_mapping_figure():
     alloc, live = seed_tables_example()
     return draw_slots({k: [b.block_number for b in t] for k, (_, t) in live.items()},

@@ -29,7 +29,7 @@ import linecache
 import os
 import re
 
-from tinyserve.viz.markers import Block, parse_file, parse_markers  # noqa: F401 (re-exported)
+from tinyserve.viz.markers import Block, parse_markers
 
 # The key of a listing's id in its output metadata, and the HTML comment that repeats it.
 METADATA_KEY = "tinyserve.listing"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from tinyserve.lab.perf.results import read_results
 from tinyserve.lab.perf.sweep import BASELINES, OURS, SCHEDULES, ratio_grid, target
-from tinyserve.viz.figures import figure
 from tinyserve.viz.style import pyplot
 
 
@@ -43,6 +42,5 @@ def draw_sweep_heatmap(rows: list[dict]):
     return fig
 
 
-@figure("11_throughput_sweep")
 def sweep_figure():
     return draw_sweep_heatmap(read_results("throughput_sweep"))
