@@ -11,7 +11,8 @@ import torch
 
 from tinyserve import presets, sim
 from tinyserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from tinyserve.engine import LLM, LLMEngine
+from tinyserve.engine import LLMEngine
+from tinyserve.llm import LLM
 from tinyserve.sequence import SamplingParams, Sequence
 from tinyserve.worker import Worker
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from tinyserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from tinyserve.engine import LLM, LLMEngine
+from tinyserve.engine import LLMEngine
+from tinyserve.llm import LLM
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.worker import Worker
 

@@ -20,7 +20,8 @@ import pytest
 from cli_serving import free_port, wait_until_serving
 
 from tinyserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from tinyserve.engine import LLM, LLMEngine
+from tinyserve.engine import LLMEngine
+from tinyserve.llm import LLM
 from tinyserve.sequence import SamplingParams
 from tinyserve.serve import ServerThread, create_app
 from tinyserve.worker import Worker
@@ -175,7 +176,7 @@ def test_a_client_that_gives_up_on_a_plain_request_leaves_no_blocks_allocated(se
     (json.dumps(completion("x", max_tokens="many")).encode(), "max_tokens"),
     (json.dumps(completion("x", n=2)).encode(), "n"),  # n > 1 with greedy decoding
     (json.dumps(completion("x", stream="yes")).encode(), "stream"),
-    (json.dumps(completion("x", frequency_penalty=0.5)).encode(), "frequency_penalty"),
+    (json.dumps(completion("x", frequency_penalty=2.5)).encode(), "frequency_penalty"),  # outside [-2, 2]
     (json.dumps(completion("x", temprature=0.5)).encode(), "temprature"),  # a typo is not ignored
     (json.dumps(completion([10**9])).encode(), "prompt"),
     (json.dumps(completion(["a", "b"])).encode(), "prompt"),

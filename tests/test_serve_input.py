@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from tinyserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from tinyserve.engine import LLM, LLMEngine
+from tinyserve.engine import LLMEngine
+from tinyserve.llm import LLM
 from tinyserve.sequence import SamplingParams
 from tinyserve.serve import ServerSettings, ServerThread, bodies, create_app
 from tinyserve.serve.chat import message_overhead, prompt_ids
@@ -350,8 +351,8 @@ def test_the_developer_role_is_system_for_a_template_that_does_not_know_it(serve
     ("/v1/completions", {"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),
     ("/v1/completions", {"stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra"),
     ("/v1/completions", {"stream_options": []}, "stream_options"),
-    ("/v1/completions", {"logprobs": 0}, "logprobs"),
-    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"logprobs": 6}, "logprobs"),  # OpenAI's limit is 5
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
     ("/v1/completions", {"logit_bias": {"5": "x"}}, "logit_bias.5"),
     ("/v1/chat/completions", {"max_tokens": "4"}, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
@@ -360,7 +361,7 @@ def test_the_developer_role_is_system_for_a_template_that_does_not_know_it(serve
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 1025}, "messages"),
-    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # OpenAI's limit is 20
     ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 0}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from tinyserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from tinyserve.engine import LLM, LLMEngine
+from tinyserve.engine import LLMEngine
+from tinyserve.llm import LLM
 from tinyserve.sequence import SamplingParams
 from tinyserve.serve import ServerThread, create_app
 from tinyserve.worker import Worker

@@ -20,7 +20,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tinyserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from tinyserve.engine import LLM, LLMEngine
+from tinyserve.engine import LLMEngine
+from tinyserve.llm import LLM
 from tinyserve.sequence import SamplingParams
 from tinyserve.serve import ServerThread, create_app
 from tinyserve.worker import Worker
@@ -86,7 +87,7 @@ def invalid_specs(limits) -> list[dict]:
         ("/v1/completions", {**text, "temperature": "0.5"}, 400),
         ("/v1/completions", {**text, "prompt": [True, False]}, 400),
         ("/v1/completions", {**text, "stream": True, "stream_options": {"include_usage": "no"}}, 400),
-        ("/v1/completions", {**text, "logprobs": 0}, 400),
+        ("/v1/completions", {**text, "logprobs": 6}, 400),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": ""}] * 2000}, 400),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},

@@ -10,7 +10,7 @@ import numpy
 import pytest
 import torch
 
-from tinyserve.engine import LLM
+from tinyserve.llm import LLM
 from tinyserve.sequence import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

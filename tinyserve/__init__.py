@@ -18,8 +18,12 @@ def __getattr__(name: str):
         from tinyserve.llm import LLM
 
         return LLM
-    if name in ("LLMEngine", "RequestOutput", "CompletionOutput"):
-        from tinyserve import engine
+    if name == "LLMEngine":
+        from tinyserve.engine import LLMEngine
 
-        return getattr(engine, name)
+        return LLMEngine
+    if name in ("RequestOutput", "CompletionOutput"):
+        from tinyserve import outputs
+
+        return getattr(outputs, name)
     raise AttributeError(f"module 'tinyserve' has no attribute {name!r}")

@@ -1,7 +1,8 @@
 """The engine: the Scheduler and the Worker(s), stepped together.
 
 ``LLMEngine.step`` is one iteration of the serving loop: the scheduler picks the round, the
-worker runs it, the sampler picks next tokens, the detokenizer turns them into text, and
+worker runs it, the sampler picks next tokens (whose log-probabilities are read from the
+model's logits, ``tinyserve/logprobs.py``), the detokenizer turns them into text, and
 finished sequences give their blocks back. Whoever wants to watch (the book's recorder, a
 metrics exporter) registers a callback that hears what each step did (``add_callback``).
 ``LLM`` (``tinyserve/llm.py``) wraps the engine for offline batch generation.
@@ -18,9 +19,10 @@ from tinyserve.attention.backend import BackendSpec
 from tinyserve.cache_engine import CacheEngine
 from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tinyserve.detokenizer import detokenize_incrementally, find_stop_string
+from tinyserve.logprobs import prompt_logprob_dicts, sampled_logprobs
+from tinyserve.model_runner import PromptSpan, prompt_logprob_spans
 from tinyserve.models.loader import check_max_model_len
-from tinyserve.outputs import (  # noqa: F401 (CompletionOutput is re-exported)
-    CompletionOutput,
+from tinyserve.outputs import (
     OutputBuilder,
     RequestOutput,
     StepCallback,
@@ -76,7 +78,7 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
         self._callbacks: list[StepCallback] = []
         self._groups: dict[str, SequenceGroup] = {}
-        self._outputs = OutputBuilder()  # each request's outputs in the kind it asked for
+        self._outputs = OutputBuilder(scheduler_config.compat)  # each request's outputs in the kind it asked for
         self._generators: dict[int, torch.Generator] = {}
         self._seq_ids = itertools.count()
         self.recorder = None
@@ -84,7 +86,7 @@ class LLMEngine:
             from tinyserve.recording import HistoryRecorder  # the book's records; a server never loads them
 
             self.recorder = HistoryRecorder()
-            self.times.history = self.recorder.step_times  # the same list: engine.times.history keeps working
+            self.times.history = self.recorder.step_times  # one list: times.history is the recorder's
             self.add_callback(self.recorder)
 
     # -- observers -------------------------------------------------------------------------
@@ -121,10 +123,16 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty (no tokens)")
         check_token_ids("stop_token_ids", sampling_params.stop_token_ids, self.vocab_size)
+        if sampling_params.prompt_logprobs is not None and self.cache_config.enable_prefix_caching:
+            # A cached prefix is never computed again, so its positions would have no logits.
+            raise ValueError("prompt_logprobs cannot be computed with enable_prefix_caching=True: the cached "
+                             "part of a prompt is not run through the model again")
         seq = Sequence(next(self._seq_ids), prompt, prompt_token_ids, self.cache_config.block_size)
         if sampling_params.seed is not None:
             self._generators[seq.seq_id] = torch.Generator().manual_seed(sampling_params.seed)
         group = SequenceGroup(request_id, [seq], sampling_params, arrival_time or time.monotonic())
+        if sampling_params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]  # no position predicts the first prompt token
         self._groups[request_id] = group
         self.scheduler.add_seq_group(group)
 
@@ -158,19 +166,25 @@ class LLMEngine:
             logits = self.executor.execute_model(metas, out.blocks_to_swap_in, out.blocks_to_swap_out,
                                                  out.blocks_to_copy)
         t2 = time.perf_counter()
+        spans = prompt_logprob_spans(metas) if logits is not None else []  # before the computed tokens advance
         self.scheduler.update_num_computed_tokens(out)  # the K/V of every scheduled token is in the cache
         rows = [(meta, seq) for meta in metas if meta.do_sample for seq in meta.seq_data.values()]
-        samples = self.sampler(logits, [self._sample_request(m, s) for m, s in rows]) if rows else []
+        requests = [self._sample_request(m, s) for m, s in rows]
+        # The logits hold the sampled rows first, then the prompt rows asked for by prompt_logprobs.
+        samples = self.sampler(logits[:len(rows)] if spans else logits, requests) if rows else []
+        logprobs = sampled_logprobs(logits, requests, samples) if rows else []
+        if spans:
+            self._take_prompt_logprobs(spans, logits[len(rows):])
         t3 = time.perf_counter()
         produced: list[tuple[SequenceGroup, Sequence, int]] = []
-        for (meta, seq), tokens in zip(rows, samples):
+        for (meta, seq), tokens, row_logprobs in zip(rows, samples, logprobs):
             group = self._groups[meta.request_id]
             if seq.is_finished():
                 continue  # its request failed on an earlier row of this step
             if isinstance(tokens, Exception):
                 self._fail(group, f"sampling failed: {tokens}")
             else:
-                produced += self._take_samples(group, seq, tokens)
+                produced += self._take_samples(group, seq, tokens, row_logprobs)
         finished = [m.request_id for m in metas if self._groups[m.request_id].is_finished()]
         self.scheduler.free_finished_seq_groups()
         groups = [self._groups[m.request_id] for m in metas] + out.ignored_seq_groups
@@ -190,13 +204,31 @@ class LLMEngine:
     def _sample_request(self, meta: SequenceGroupMetadata, seq: Sequence) -> SampleRequest:
         params = meta.sampling_params
         first = meta.is_prompt and seq.get_output_len() == 0 and len(meta.seq_data) == 1
-        return SampleRequest(params, num_samples=params.n if first else 1, generator=self._generators.get(seq.seq_id))
+        return SampleRequest(params, num_samples=params.num_samples if first else 1,
+                             generator=self._generators.get(seq.seq_id), prompt_token_ids=seq.prompt_token_ids,
+                             output_token_ids=seq.output_token_ids, eos_token_id=self.eos_token_id)
 
-    def _take_samples(self, group: SequenceGroup, seq: Sequence,
-                      tokens: list[int]) -> list[tuple[SequenceGroup, Sequence, int]]:
-        """``seq`` takes the first token; each other one (n > 1 at a prompt) goes to a new fork."""
-        seqs = [self._fork(group, seq, token) for token in tokens[1:]]  # forks copy seq before its token
-        seq.append_token_id(tokens[0])
+    # -- log-probabilities (chapter 9's sampling features) -----------------------------------
+
+    def _take_prompt_logprobs(self, spans: list[PromptSpan], logits: torch.Tensor) -> None:
+        """Append the dicts of this round's prompt positions to their requests' prompt_logprobs."""
+        offset = 0
+        for span in spans:
+            num = span.stop - span.start
+            collected = self._groups[span.meta.request_id].prompt_logprobs
+            # In order, chunk after chunk; a recomputed prompt repeats positions already collected.
+            if collected is not None and len(collected) == span.start + 1:
+                next_tokens = span.seq.prompt_token_ids[span.start + 1:span.stop + 1]
+                collected += prompt_logprob_dicts(logits[offset:offset + num], next_tokens,
+                                                  span.meta.sampling_params.prompt_logprobs)
+            offset += num
+
+    def _take_samples(self, group: SequenceGroup, seq: Sequence, tokens: list[int],
+                      logprobs: list[tuple[float, dict | None]]) -> list[tuple[SequenceGroup, Sequence, int]]:
+        """``seq`` takes the first token; each other one (best_of > 1 at a prompt) goes to a new fork."""
+        # Forks copy seq before its token.
+        seqs = [self._fork(group, seq, token, lp) for token, lp in zip(tokens[1:], logprobs[1:])]
+        seq.append_token_id(tokens[0], *logprobs[0])
         seqs.insert(0, seq)
         try:
             for s in seqs:
@@ -205,7 +237,8 @@ class LLMEngine:
             self._fail(group, f"detokenization failed: {e!r}")
         return [(group, s, t) for s, t in zip(seqs, tokens)]
 
-    def _fork(self, group: SequenceGroup, parent: Sequence, token: int) -> Sequence:
+    def _fork(self, group: SequenceGroup, parent: Sequence, token: int,
+              logprob: tuple[float, dict | None] = (0.0, None)) -> Sequence:
         """Parallel sampling: a child shares the parent's blocks (copy-on-write) and takes its own token."""
         child = parent.fork(next(self._seq_ids))
         group.add(child)
@@ -213,7 +246,7 @@ class LLMEngine:
         seed = group.sampling_params.seed
         if seed is not None:
             self._generators[child.seq_id] = torch.Generator().manual_seed(seed + len(group.get_seqs()) - 1)
-        child.append_token_id(token)
+        child.append_token_id(token, *logprob)
         return child
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
@@ -221,8 +254,13 @@ class LLMEngine:
         and look for a stop string. The scheduler checks the rest (EOS, stop token ids, lengths)
         and frees the blocks of a sequence that finished."""
         new_text = detokenize_incrementally(self.tokenizer, seq)
-        cut = find_stop_string(seq.output_text, len(new_text), group.sampling_params.stop)
+        params = group.sampling_params
+        cut = -1
+        if seq.get_output_len() >= params.min_tokens:  # as in v0.4, no stop string counts before min_tokens
+            cut = find_stop_string(seq.output_text, len(new_text), params.stop)
         if cut != -1:
+            if params.include_stop_str_in_output:  # keep the stop string (the first to complete), cut what follows
+                cut += min(len(s) for s in params.stop if seq.output_text.startswith(s, cut))
             seq.output_text = seq.output_text[:cut]
         self.scheduler.check_stop(group, seq, self.eos_token_id, stop_string_found=cut != -1)
 
@@ -233,15 +271,6 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED_ABORTED
             seq.finish_message = message
             self.scheduler.free_seq(seq)
-
-
-def __getattr__(name: str):
-    # LLM lives in tinyserve/llm.py now; ``from tinyserve.engine import LLM`` keeps working.
-    if name == "LLM":
-        from tinyserve.llm import LLM
-
-        return LLM
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _make_executor(model_config: ModelConfig, parallel_config: ParallelConfig, attention_backend: BackendSpec,

@@ -41,13 +41,24 @@ class PostprocessMixin:
         """Finish ``seq`` if its newest token ends it, freeing its blocks; True if it finished.
 
         It stops on a stop string (the engine looks for those in the text and says so), on EOS
-        (unless ``ignore_eos``) or a stop token id; it is capped at ``max_tokens`` or at
-        ``max_model_len``."""
+        (unless ``ignore_eos``) or a stop token id, none of which count before ``min_tokens``;
+        it is capped at ``max_tokens`` or when it fills ``max_model_len``. Under
+        ``compat="vllm-0.4"`` the caps come first, and the length cap is v0.4's: more than
+        ``max_model_len`` tokens (``LLMEngine._check_stop``)."""
         params = group.sampling_params
         last = seq.get_last_token_id()
-        if stop_string_found or (not params.ignore_eos and last == eos_token_id) or last in params.stop_token_ids:
+        stopped = seq.get_output_len() >= params.min_tokens and (
+            stop_string_found or (not params.ignore_eos and last == eos_token_id) or last in params.stop_token_ids)
+        max_len = self.scheduler_config.max_model_len
+        capped = seq.get_output_len() >= params.max_tokens or seq.get_len() >= max_len
+        # >>> chapter 09: vLLM v0.4 compat
+        if self.scheduler_config.compat == "vllm-0.4":  # v0.4 lets a sequence reach max_model_len + 1
+            capped = seq.get_output_len() >= params.max_tokens or seq.get_len() > max_len
+            stopped = stopped and not capped  # ...and checks the caps before the stop conditions
+        # <<<
+        if stopped:
             seq.status = SequenceStatus.FINISHED_STOPPED
-        elif seq.get_output_len() >= params.max_tokens or seq.get_len() >= self.scheduler_config.max_model_len:
+        elif capped:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
         else:
             return False

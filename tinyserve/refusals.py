@@ -25,7 +25,7 @@ def admission_refusal(group: SequenceGroup, limit: int, block_manager, config: S
         return (f"prompt of {num_tokens} tokens is longer than the limit of {limit} tokens "
                 f"(max_model_len={config.max_model_len}, max_num_batched_tokens={config.max_num_batched_tokens})")
     if group.get_max_num_running_seqs() > config.max_num_seqs:
-        return (f"n={group.sampling_params.n} samples are more than max_num_seqs={config.max_num_seqs} "
+        return (f"{_samples(group.sampling_params)} samples are more than max_num_seqs={config.max_num_seqs} "
                 "sequences a round may run")
     # A group preempted by recompute was admitted once, and its samples fitted then.
     return None if seq.get_output_len() > 0 else never_fits(group, block_manager, config)
@@ -40,7 +40,7 @@ def never_fits(group: SequenceGroup, block_manager, config: SchedulerConfig) -> 
     when all of its blocks fit at once; if they cannot even on an empty GPU, the group
     would wait in ``swapped`` forever and hold back every request behind it.
     """
-    n = group.sampling_params.n
+    n = group.sampling_params.num_samples
     if n == 1:
         return None
     bm = block_manager
@@ -49,11 +49,17 @@ def never_fits(group: SequenceGroup, block_manager, config: SchedulerConfig) -> 
     needed = bm.worst_case_num_blocks(prompt_len, n, max_len)
     if needed + bm.watermark_blocks <= bm.num_total_gpu_blocks:
         return None
-    return (f"n={n} samples of up to {max_len} tokens each (a prompt of {prompt_len} tokens plus "
+    return (f"{_samples(group.sampling_params)} samples of up to {max_len} tokens each (a prompt of {prompt_len} "
+            "tokens plus "
             f"max_tokens={group.sampling_params.max_tokens}, at most max_model_len={config.max_model_len}) "
             f"may need {needed} KV blocks at once, plus a watermark of {bm.watermark_blocks}, but the "
             f"cache has {bm.num_total_gpu_blocks} blocks of {bm.block_size} tokens; "
             "lower n or max_tokens, or give the cache more blocks")
+
+
+def _samples(params) -> str:
+    """How a refusal names the request's sample count: ``n=4``, or ``best_of=4`` when it is set."""
+    return f"n={params.n}" if params.best_of is None else f"best_of={params.best_of}"
 
 
 def no_room(group: SequenceGroup, block_manager) -> str:

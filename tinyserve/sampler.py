@@ -3,10 +3,16 @@
 Rows that want the same treatment are handled as one batch (an all-greedy batch is a single
 argmax). A request with a ``seed`` draws from its own generator, so its tokens do not depend on
 what else shares the batch.
+
+Before any of that, vLLM v0.4's logit adjustments (chapter 9's sampling features), on the rows
+that ask for them: ``min_tokens`` masks EOS and the stop token ids; the presence, frequency and
+repetition penalties look at the sequence's tokens; ``min_p`` drops what is far less likely
+than the top token, after temperature, top-k and top-p.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 
 import torch
@@ -16,11 +22,16 @@ from tinyserve.sequence import SamplingParams
 
 @dataclass
 class SampleRequest:
-    """One row of logits to sample from, and how many tokens to draw (n > 1 at a prompt)."""
+    """One row of logits to sample from, and how many tokens to draw (best_of > 1 at a prompt).
+
+    The token ids and EOS are what the penalties and ``min_tokens`` need (the engine fills them)."""
 
     params: SamplingParams
     num_samples: int = 1
     generator: torch.Generator | None = None
+    prompt_token_ids: Tokens[int] = ()
+    output_token_ids: Tokens[int] = ()
+    eos_token_id: int | None = None
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -42,6 +53,46 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def apply_penalties(logits: torch.Tensor, prompt_tokens: list[Tokens[int]], output_tokens: list[Tokens[int]],
+                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """Penalize, in place, each row's tokens already seen, as OpenAI and vLLM v0.4 define it.
+
+    ``repetition`` (CTRL's penalty) applies to every token of the prompt or the output: a
+    positive logit is divided by it, a negative one multiplied, so a penalty above 1 always
+    makes the token less likely. ``frequency`` is subtracted once per occurrence in the output,
+    ``presence`` once for any occurrence; the prompt does not count for either."""
+    rows, vocab = logits.shape
+    counts = torch.zeros(rows, vocab, dtype=logits.dtype, device=logits.device)
+    seen = torch.zeros(rows, vocab, dtype=torch.bool, device=logits.device)
+    for i, (prompt, output) in enumerate(zip(prompt_tokens, output_tokens)):
+        out = torch.tensor(list(output), dtype=torch.long, device=logits.device)
+        counts[i].index_add_(0, out, torch.ones(len(out), dtype=logits.dtype, device=logits.device))
+        seen[i, torch.tensor(list(prompt), dtype=torch.long, device=logits.device)] = True
+    in_output = counts > 0
+    seen |= in_output
+    factor = torch.where(seen, repetition.unsqueeze(1), torch.ones_like(logits))
+    logits.copy_(torch.where(logits > 0, logits / factor, logits * factor))
+    logits -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * in_output
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask every token whose probability is below ``min_p`` times its row's highest."""
+    probs = logits.softmax(dim=-1)
+    floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def banned_until_min_tokens(request: SampleRequest) -> list[int]:
+    """The tokens a row may not draw yet: EOS and the stop token ids, before ``min_tokens``
+    (as in v0.4, EOS is banned even with ``ignore_eos``, where it would not stop anything)."""
+    params = request.params
+    if len(request.output_token_ids) >= params.min_tokens:
+        return []
+    eos = [] if request.eos_token_id is None else [request.eos_token_id]
+    return sorted(set(params.stop_token_ids + eos))
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         # Unseeded requests share one generator seeded by the engine: runs are reproducible
@@ -56,6 +107,7 @@ class Sampler:
         """
         if len(requests) != logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(requests)} sample requests")
+        logits = self._adjust(logits, requests)
         results: list[list[int] | Exception | None] = [None] * len(requests)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         if greedy:
@@ -73,6 +125,30 @@ class Sampler:
                 results[i] = self._draw(probs[row], requests[i]) if finite[row] else ValueError(
                     "the next-token probabilities are not finite (NaN or inf in the logits)")
         return results  # type: ignore[return-value]
+
+    @staticmethod
+    def _adjust(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+        """``min_tokens`` and the penalties, on a copy and only for rows that ask: the caller's
+        logits stay as the model made them (the engine reads its logprobs from them)."""
+        banned = [banned_until_min_tokens(r) for r in requests]
+        penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
+        if not penalized and not any(banned):
+            return logits
+        logits = logits.clone()
+        for i, tokens in enumerate(banned):
+            if tokens:
+                logits[i, tokens] = float("-inf")
+        if penalized:
+            params = [requests[i].params for i in penalized]
+
+            def column(name: str) -> torch.Tensor:
+                return torch.tensor([getattr(p, name) for p in params], dtype=logits.dtype, device=logits.device)
+
+            logits[penalized] = apply_penalties(logits[penalized], [requests[i].prompt_token_ids for i in penalized],
+                                                [requests[i].output_token_ids for i in penalized],
+                                                column("presence_penalty"), column("frequency_penalty"),
+                                                column("repetition_penalty"))
+        return logits
 
     def _draw(self, probs: torch.Tensor, request: SampleRequest) -> list[int] | Exception:
         try:
@@ -92,4 +168,6 @@ class Sampler:
             top_k = torch.tensor([min(p.top_k, vocab) if p.top_k != -1 else vocab for p in params], device=device)
             top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
             logits = apply_top_k_top_p(logits, top_k, top_p)
+        if any(p.min_p > 0 for p in params):
+            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype))
         return logits.softmax(dim=-1)

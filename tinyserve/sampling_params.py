@@ -16,6 +16,8 @@ MAX_INT32 = 2**31 - 1
 MAX_SEED = 2**63 - 1
 MAX_N = 1024
 MIN_TEMPERATURE = 1e-5
+# Top log-probabilities a request may ask for per token (OpenAI's chat API allows up to 20).
+MAX_LOGPROBS = 20
 # What each RequestOutput of a request carries (vLLM's RequestOutputKind, from its later versions):
 # everything so far, only what is new since the request's last output, or one output at the end.
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
@@ -57,6 +59,16 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     output_kind: str = "cumulative"  # one of OUTPUT_KINDS
+    # vLLM v0.4's further fields (chapter 9, "sampling features"):
+    best_of: int | None = None  # samples drawn; the n with the highest cumulative logprob are returned
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides (or multiplies, if negative) logits of prompt and output tokens
+    min_p: float = 0.0  # drop tokens below min_p times the top token's probability
+    min_tokens: int = 0  # no EOS, stop token id or stop string before this many tokens
+    logprobs: int | None = None  # per output token: the chosen token's logprob and the top-k
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         self.verify()
@@ -88,14 +100,48 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if self.seed is not None:
-            # Sample i of a request draws from a generator seeded with seed + i.
-            _check_int("seed", self.seed, 0, MAX_SEED - (self.n - 1),
-                       extra=f" (seed + n - 1 must not exceed {MAX_SEED})" if self.n > 1 else "")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
+        self._verify_v04_fields()
         if self.n > 1 and self.temperature == 0:
             raise ValueError("n > 1 needs temperature > 0: greedy samples would all be identical")
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError("best_of > 1 needs temperature > 0: greedy samples would all be identical")
+
+    def _verify_v04_fields(self) -> None:
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, self.n, MAX_N, extra=f" (at least n={self.n}) or None")
+        if self.seed is not None:
+            # Sample i of a request draws from a generator seeded with seed + i.
+            count = self.num_samples
+            name = "n" if self.best_of is None else "best_of"
+            _check_int("seed", self.seed, 0, MAX_SEED - (count - 1),
+                       extra=f" (seed + {name} - 1 must not exceed {MAX_SEED})" if count > 1 else "")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_finite_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_finite_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be a number in (0, 2], got {self.repetition_penalty!r}")
+        if not _is_finite_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, extra=f" (at most max_tokens={self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS, extra=" or None")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be True or False, "
+                             f"got {self.include_stop_str_in_output!r}")
+
+    @property
+    def num_samples(self) -> int:
+        """How many samples the request draws: ``best_of``, or ``n`` when best_of is None."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler must look at the sequence's tokens (v0.4's ``do_penalties``)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

@@ -75,6 +75,10 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_text = ""
+        # The model's log-probability of each output token, summed (best_of ranks samples by it),
+        # and, when the request asks for logprobs, one {token_id: logprob} dict per output token.
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list[dict[int, float]] = []
         # Incremental detokenization (see detokenizer.py): output tokens before read_offset are
         # in output_text; those from prefix_offset to read_offset are decoded again as context.
         self.prefix_offset = 0
@@ -93,9 +97,15 @@ class Sequence:
                 self.logical_token_blocks.append(LogicalTokenBlock(len(self.logical_token_blocks), self.block_size))
             self.logical_token_blocks[-1].token_ids.append(t)
 
-    def append_token_id(self, token_id: int) -> None:
+    def append_token_id(self, token_id: int, logprob: float = 0.0,
+                        top_logprobs: dict[int, float] | None = None) -> None:
+        """Append a sampled token; ``logprob`` is its log-probability, ``top_logprobs`` the dict
+        kept when the request asks for logprobs."""
         self.output_token_ids.append(token_id)
         self._append_to_blocks([token_id])
+        self.cumulative_logprob += logprob
+        if top_logprobs is not None:
+            self.output_logprobs.append(top_logprobs)
 
     def get_len(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -134,6 +144,8 @@ class Sequence:
         for t in self.output_token_ids:
             child.append_token_id(t)
         child.output_text = self.output_text
+        child.cumulative_logprob = self.cumulative_logprob
+        child.output_logprobs = list(self.output_logprobs)
         child.prefix_offset, child.read_offset = self.prefix_offset, self.read_offset
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
@@ -158,6 +170,9 @@ class SequenceGroup:
         self.error: str | None = None
         # Set with error when the engine gave up for lack of memory now (a retry may succeed).
         self.retryable = False
+        # With SamplingParams.prompt_logprobs: None for the first prompt token, then one
+        # {token_id: logprob} dict per prompt token, filled as the prefill computes them.
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def prompt(self) -> str | None:
@@ -179,9 +194,10 @@ class SequenceGroup:
         return len(self.get_seqs(status))
 
     def get_max_num_running_seqs(self) -> int:
-        """Sequences this group will run at once: n after its prompt is sampled, else the live ones."""
+        """Sequences this group will run at once: best_of (n unless set) after its prompt is
+        sampled, else the live ones."""
         if self.is_waiting_for_prefill():
-            return self.sampling_params.n
+            return self.sampling_params.num_samples
         return len(self.get_unfinished_seqs())
 
     def is_waiting_for_prefill(self) -> bool:

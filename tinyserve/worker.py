@@ -100,7 +100,10 @@ class Worker:
 
     def run(self, inputs: ModelInput) -> torch.Tensor:
         hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.gpu_cache, inputs.attn_metadata)
-        return self.model.compute_logits(hidden.index_select(0, inputs.sample_indices))
+        # The LM head runs on the sampled rows only, unless a request asks for prompt logprobs:
+        # then its prompt rows follow them (model_runner.prompt_logprob_spans).
+        rows = inputs.sample_indices if inputs.logit_indices is None else inputs.logit_indices
+        return self.model.compute_logits(hidden.index_select(0, rows))
 
 
 def _check_settings(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:

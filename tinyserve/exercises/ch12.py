@@ -21,6 +21,7 @@ from tinyserve.exercises.verdict import checker, run_cases
 from tinyserve.outputs import CompletionOutput, RequestOutput
 from tinyserve.prefix_cache import PrefixCachingBlockSpaceManager
 from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from tinyserve.serve.choices import ChoiceFormat
 from tinyserve.serve.mailbox import Mailbox
 from tinyserve.serve.streaming import stream_events
 from tinyserve.sim import Request, simulate
@@ -128,7 +129,8 @@ def stream_body(outputs: list[RequestOutput], chat: bool, include_usage: bool, n
         for out in deltas[1:]:
             mailbox.put(out)
         params = SamplingParams(n=n, temperature=1.0 if n > 1 else 0.0, stop=stop)
-        events = stream_events(_NoLoop(), "cmpl-1", mailbox, deltas[0], params, 0, chat, "tiny", include_usage)
+        events = stream_events(_NoLoop(), "cmpl-1", mailbox, deltas[0], params, 0, ChoiceFormat(chat), "tiny",
+                               include_usage)
         return "".join([e async for e in events])
 
     # A thread of its own, so this works where an event loop is already running (a notebook).

@@ -27,9 +27,9 @@ and notebooks.
 """
 
 from tinyserve.serve.app import ServerThread, create_app
+from tinyserve.serve.bodies import APIError
 from tinyserve.serve.cli import main, parser
 from tinyserve.serve.loop import EngineLoop
-from tinyserve.serve.protocol import APIError
 from tinyserve.serve.settings import ServerSettings
 from tinyserve.serve.streaming import stream_events
 

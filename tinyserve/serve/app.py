@@ -30,24 +30,22 @@ from starlette.exceptions import HTTPException
 
 from tinyserve.engine import LLMEngine, RequestOutput
 from tinyserve.sequence import SamplingParams
-from tinyserve.serve.bodies import invalid_fields
+from tinyserve.serve.bodies import APIError, RequestLimits, invalid_fields, parse_body
 from tinyserve.serve.chat import check_message_count, prompt_ids
+from tinyserve.serve.choices import ChoiceFormat, token_texts
 from tinyserve.serve.connections import uvicorn_options
 from tinyserve.serve.guard import Guard
 from tinyserve.serve.loop import EngineLoop
 from tinyserve.serve.mailbox import Mailbox
 from tinyserve.serve.metrics import EngineStats, make_registry
 from tinyserve.serve.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    RequestLimits,
     SamplingFields,
     chat_messages,
     check_ranges,
     field_named,
     output_error,
-    parse_body,
     reject_unsupported,
     to_sampling_params,
     usage,
@@ -171,6 +169,20 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
         """Tokenizing takes time in proportion to the text: never on the engine's thread."""
         return await asyncio.get_running_loop().run_in_executor(state["tokenize"], fn, *args)
 
+    async def choice_format(body: SamplingFields, chat: bool, prompt: str | None, ids: list[int]) -> ChoiceFormat:
+        """How the answer's choices are written: logprobs need every token's text (decoded once,
+        on the tokenizer's thread, the first time a request asks), echo the prompt's."""
+        if chat:
+            top = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            top = body.logprobs
+        if top is not None and "texts" not in state:
+            state["texts"] = await off_the_engine(token_texts, tokenizer)
+        echo = None
+        if not chat and body.echo:
+            echo = prompt if prompt is not None else await off_the_engine(tokenizer.decode, ids)
+        return ChoiceFormat(chat, top, state.get("texts"), echo, echo_only=echo is not None and body.max_tokens == 0)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest, limits.max_body_bytes)
@@ -187,8 +199,9 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
             ids = list(prompt)
         max_tokens = check_length(len(ids), body.max_tokens, "prompt")
         params = to_sampling_params(body, max_tokens)
-        return await _respond(request, state["loop"], f"cmpl-{uuid.uuid4().hex}", validate_ids(ids), params, body,
-                              chat=False, name=name)
+        ids = validate_ids(ids)
+        fmt = await choice_format(body, False, prompt if isinstance(prompt, str) else None, ids)
+        return await _respond(request, state["loop"], f"cmpl-{uuid.uuid4().hex}", ids, params, body, fmt, name=name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -203,8 +216,10 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
         ids = await off_the_engine(prompt_ids, tokenizer, messages, limits, settings.special_tokens_in_content)
         max_tokens = check_length(len(ids), body.max_completion_tokens or body.max_tokens, "messages")
         params = to_sampling_params(body, max_tokens)
-        return await _respond(request, state["loop"], f"chatcmpl-{uuid.uuid4().hex}", validate_ids(ids), params,
-                              body, chat=True, name=name)
+        ids = validate_ids(ids)
+        fmt = await choice_format(body, True, None, ids)
+        return await _respond(request, state["loop"], f"chatcmpl-{uuid.uuid4().hex}", ids, params, body, fmt,
+                              name=name)
 
     return app
 
@@ -232,7 +247,7 @@ async def _next(request: Request, loop: EngineLoop, request_id: str, mailbox: Ma
 
 
 async def _respond(request: Request, loop: EngineLoop, request_id: str, ids: list[int], params: SamplingParams,
-                   body: SamplingFields, chat: bool, name: str):
+                   body: SamplingFields, fmt: ChoiceFormat, name: str):
     # A stream takes what is new at each step; a plain answer needs only the end. Neither has
     # the engine copy every sequence's whole output at every step.
     params.output_kind = "delta" if body.stream else "final_only"
@@ -248,7 +263,7 @@ async def _respond(request: Request, loop: EngineLoop, request_id: str, ids: lis
         raise output_error(out)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = stream_events(loop, request_id, mailbox, out, params, created, chat, name, include_usage)
+        events = stream_events(loop, request_id, mailbox, out, params, created, fmt, name, include_usage)
         return StallGuardedStream(events, request.app.state.settings.stall_timeout_s,
                                   on_stall=lambda: loop.abort(request_id), media_type="text/event-stream")
     while not out.finished:
@@ -257,11 +272,9 @@ async def _respond(request: Request, loop: EngineLoop, request_id: str, ids: lis
             return JSONResponse({}, status_code=499)
     if out.error:
         raise output_error(out)
-    choices = [({"index": c.index, "message": {"role": "assistant", "content": c.text}} if chat else
-                {"index": c.index, "text": c.text, "logprobs": None}) | {"finish_reason": c.finish_reason}
-               for c in out.outputs]
-    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": name, "choices": choices, "usage": usage(out)}
+    choices = [fmt.choice(out, c) for c in out.outputs]
+    return {"id": request_id, "object": "chat.completion" if fmt.chat else "text_completion", "created": created,
+            "model": name, "choices": choices, "usage": usage(out, fmt.completion_tokens(out))}
 
 
 class ServerThread:

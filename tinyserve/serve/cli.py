@@ -17,7 +17,7 @@ import socket
 import uvicorn
 from uvicorn.config import LOG_LEVELS
 
-from tinyserve.engine import LLM
+from tinyserve.llm import LLM
 from tinyserve.serve.app import create_app
 from tinyserve.serve.connections import fit_open_files, uvicorn_options
 from tinyserve.serve.settings import ServerSettings

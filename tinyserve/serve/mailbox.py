@@ -23,6 +23,8 @@ class Mailbox:
         self._latest: RequestOutput | None = None  # the newest output, for everything but the pieces
         self._texts: dict[int, list[str]] = {}  # choice index -> pieces of text not yet taken
         self._ids: dict[int, list[int]] = {}  # choice index -> token ids not yet taken
+        self._logprobs: dict[int, list[dict] | None] = {}  # choice index -> their logprobs, if asked for
+        self._cumulative: dict[int, float] = {}
         self._reasons: dict[int, str | None] = {}
         self._error: Exception | None = None
         self._ready = asyncio.Event()
@@ -31,11 +33,14 @@ class Mailbox:
         """Add the engine's next output: a delta's pieces add to those not yet taken, a whole
         output replaces them."""
         if not self.delta:
-            self._texts, self._ids = {}, {}
+            self._texts, self._ids, self._logprobs = {}, {}, {}
         for c in out.outputs:
             self._texts.setdefault(c.index, []).append(c.text)
             self._ids.setdefault(c.index, []).extend(c.token_ids)
+            if c.logprobs is not None:
+                self._logprobs.setdefault(c.index, []).extend(c.logprobs)
             self._reasons[c.index] = c.finish_reason
+            self._cumulative[c.index] = c.cumulative_logprob
         self._latest = out
         self._ready.set()
 
@@ -50,9 +55,11 @@ class Mailbox:
         if self._latest is None:
             return self._error
         out = self._latest
-        out.outputs = [CompletionOutput(i, "".join(self._texts[i]), self._ids[i], self._reasons[i])
+        out.outputs = [CompletionOutput(i, "".join(self._texts[i]), self._ids[i], self._reasons[i],
+                                        self._cumulative[i], self._logprobs.get(i))
                        for i in sorted(self._texts)]
         self._latest, self._texts, self._ids, self._reasons = None, {}, {}, {}
+        self._logprobs, self._cumulative = {}, {}
         if self._error is None:
             self._ready.clear()
         return out

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 
 from tinyserve.engine import RequestOutput
 from tinyserve.sequence import SamplingParams
-from tinyserve.serve.bodies import APIError, RequestLimits, parse_body, read_body  # noqa: F401 (re-exported)
+from tinyserve.serve.bodies import APIError
 
 log = logging.getLogger("tinyserve.serve")
 
@@ -28,6 +28,9 @@ TEMPERATURE_FLOOR = 1e-5
 MAX_SEED = 2**63 - 1  # torch generators take a signed 64-bit seed
 MAX_INT32 = 2**31 - 1
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
+MAX_N = 16
+# OpenAI's limits: completions return at most 5 top logprobs per token, chat at most 20.
+MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
@@ -56,7 +59,7 @@ class SamplingFields(BaseModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, ge=1, le=MAX_N)
     stop: StopList | None = None  # one string is read as a list of one
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
@@ -68,6 +71,10 @@ class SamplingFields(BaseModel):
     top_k: int = Field(-1, ge=-1)  # extensions, as vLLM offers them; the vocabulary bounds top_k
     ignore_eos: bool = False
     stop_token_ids: StopTokenIds | None = None
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    min_p: float = Field(0.0, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+    include_stop_str_in_output: bool = False
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -86,10 +93,10 @@ class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
-    logprobs: int | None = None  # not implemented: only null is accepted (0 would still ask for a list)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_INT32)  # 0 only with echo: score the prompt
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
 
@@ -106,7 +113,7 @@ class ChatMessage(BaseModel):
 # OpenAI's chat fields that tinyserve does not implement, each with the values that ask for
 # nothing (what a client sends to mean "off"): any other value is a 400 naming the field.
 UNIMPLEMENTED_CHAT_FIELDS = {
-    "top_logprobs": (None,), "tools": (None,), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
+    "tools": (None,), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
     "functions": (None,), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
 }
 
@@ -117,9 +124,9 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
-    logprobs: bool | None = None  # not implemented: false or null
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs: true
     # Any JSON value: reject_unsupported refuses all but UNIMPLEMENTED_CHAT_FIELDS' "off" values.
-    top_logprobs: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -130,16 +137,10 @@ class ChatCompletionRequest(SamplingFields):
 
 def reject_unsupported(body: SamplingFields) -> None:
     """Refuse, by name, the OpenAI parameters tinyserve does not implement, unless they ask for
-    nothing (a penalty of 0, ``logprobs`` null, ``tool_choice: "none"``)."""
-    checks = [("presence_penalty", body.presence_penalty != 0), ("frequency_penalty", body.frequency_penalty != 0),
-              ("logit_bias", bool(body.logit_bias)),
-              ("echo", getattr(body, "echo", False)), ("suffix", getattr(body, "suffix", None) is not None),
-              ("best_of", getattr(body, "best_of", None) not in (None, body.n))]
+    nothing (an empty ``logit_bias``, ``tool_choice: "none"``)."""
+    checks = [("logit_bias", bool(body.logit_bias)), ("suffix", getattr(body, "suffix", None) is not None)]
     if isinstance(body, ChatCompletionRequest):
-        checks.append(("logprobs", body.logprobs is True))
         checks += [(name, not _is_one_of(getattr(body, name), off)) for name, off in UNIMPLEMENTED_CHAT_FIELDS.items()]
-    else:
-        checks.append(("logprobs", getattr(body, "logprobs", None) is not None))
     for name, bad in checks:
         if bad:
             raise APIError(f"{name} is not supported by tinyserve", param=name)
@@ -152,12 +153,22 @@ def _is_one_of(value, allowed: tuple) -> bool:
 
 def check_ranges(body: SamplingFields, vocab_size: int, max_num_seqs: int) -> None:
     """The ranges that depend on each other or on the served engine (pydantic checks the rest)."""
-    if body.n > max_num_seqs:
-        raise APIError(f"n={body.n} is more than this server runs at once (max_num_seqs={max_num_seqs})", param="n")
-    if body.seed is not None and body.seed + body.n - 1 > MAX_SEED:
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of < body.n:
+        raise APIError(f"best_of must be at least n={body.n}, got {best_of}", param="best_of")
+    samples, name = (body.n, "n") if best_of is None else (best_of, "best_of")
+    if samples > max_num_seqs:
+        raise APIError(f"{name}={samples} is more than this server runs at once (max_num_seqs={max_num_seqs})",
+                       param=name)
+    if body.seed is not None and body.seed + samples - 1 > MAX_SEED:
         # Sample i of a request draws from seed + i: every one of them must be a valid seed.
-        raise APIError(f"seed must be in [0, {MAX_SEED - body.n + 1}] with n={body.n} (sample i uses seed + i, "
-                       f"and seeds end at 2**63-1), got {body.seed}", param="seed")
+        raise APIError(f"seed must be in [0, {MAX_SEED - samples + 1}] with {name}={samples} (sample i uses "
+                       f"seed + i, and seeds end at 2**63-1), got {body.seed}", param="seed")
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and body.logprobs is not True:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if isinstance(body, CompletionRequest) and body.max_tokens == 0 and not body.echo:
+        raise APIError("max_tokens must be at least 1 (0 is allowed with echo: true, to score the prompt alone)",
+                       param="max_tokens")
     if body.top_k != -1 and not 1 <= body.top_k <= vocab_size:
         raise APIError(f"top_k must be -1 (every token) or in [1, {vocab_size}] (the vocabulary), got {body.top_k}",
                        param="top_k")
@@ -199,18 +210,34 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 def to_sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
-    """The engine's SamplingParams for a request; its ValueErrors become 400s naming the field."""
+    """The engine's SamplingParams for a request; its ValueErrors become 400s naming the field.
+
+    Completions' ``logprobs: k`` asks for k per output token, and with ``echo`` for the prompt's
+    too; chat's ``logprobs: true`` for ``top_logprobs`` (0 if unset). ``max_tokens=0`` with echo
+    generates one token, which the answer drops (as vLLM v0.4 does)."""
+    if isinstance(body, ChatCompletionRequest):
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prompt_logprobs, best_of = None, None
+    else:
+        logprobs, best_of = body.logprobs, body.best_of
+        prompt_logprobs = logprobs if body.echo else None
     try:
         return SamplingParams(n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                              max_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
-                              ignore_eos=body.ignore_eos, seed=body.seed)
+                              max_tokens=max(max_tokens, 1), stop=body.stop, stop_token_ids=body.stop_token_ids,
+                              ignore_eos=body.ignore_eos, seed=body.seed, best_of=best_of,
+                              presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                              repetition_penalty=body.repetition_penalty, min_p=body.min_p,
+                              min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              include_stop_str_in_output=body.include_stop_str_in_output)
     except ValueError as e:
         raise APIError(str(e), param=field_named(str(e))) from None
 
 
 def field_named(message: str) -> str | None:
     """The SamplingParams field an error message is about (it names the field, usually first)."""
-    fields = ("n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "stop", "ignore_eos", "seed")
+    fields = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop_token_ids",
+              "stop", "ignore_eos", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+              "logprobs", "prompt_logprobs", "include_stop_str_in_output")
     words = [w.strip("`'\":,.=()") for w in message.replace("=", " ").split()]
     return next((w for w in words if w in fields), None)
 
@@ -235,7 +262,7 @@ def output_error(out: RequestOutput) -> APIError:
     if out.retryable:
         return APIError("The server ran out of memory for this request while serving others, and had to stop it. "
                         "Retry it later.", status=503, type_="server_error", code="server_overloaded")
-    if any(c.finish_reason == "ignored" for c in out.outputs):
+    if any(c.finish_reason in ("ignored", "length") for c in out.outputs):  # "length": compat="vllm-0.4"
         return APIError("This request can never fit in this server's KV cache: its prompt, n samples and max_tokens "
                         "need more memory at once than the server has. Lower n or max_tokens, or shorten the "
                         "prompt.", code="request_cannot_fit")

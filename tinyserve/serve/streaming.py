@@ -5,7 +5,9 @@ A stream asks the engine for deltas (``SamplingParams(output_kind="delta")``): e
 only what is new, and the engine already held back text that could still become a stop string,
 so every piece can be sent as it comes. ``stream_events`` turns them into OpenAI's chunks: one
 per new piece of each choice (chat streams open with the role), one carrying each choice's
-finish_reason, optionally the usage, then ``data: [DONE]``.
+finish_reason, optionally the usage, then ``data: [DONE]``. A chunk carries the logprobs of its
+tokens when the request asks for them, and a completion with ``echo`` opens each choice with the
+prompt (with its logprobs, once the prompt has been computed).
 
 A client that stops reading fills the socket's buffers, and then every write waits.
 ``StallGuardedStream`` bounds that wait (``ServerSettings.stall_timeout_s``): a write that has
@@ -26,6 +28,7 @@ from starlette.types import Message, Receive, Scope, Send
 from tinyserve.engine import RequestOutput
 from tinyserve.sequence import SamplingParams
 from tinyserve.serve.bodies import APIError
+from tinyserve.serve.choices import ChoiceFormat
 from tinyserve.serve.loop import EngineLoop
 from tinyserve.serve.mailbox import Mailbox
 from tinyserve.serve.protocol import output_error, usage
@@ -34,13 +37,16 @@ log = logging.getLogger("tinyserve.serve")
 
 
 async def stream_events(loop: EngineLoop, request_id: str, mailbox: Mailbox, first: RequestOutput,
-                        params: SamplingParams, created: int, chat: bool, name: str,
+                        params: SamplingParams, created: int, fmt: ChoiceFormat, name: str,
                         include_usage: bool = False) -> AsyncIterator[str]:
     """The server-sent events of one streamed request, from its delta outputs. A request the
     engine fails or gives up on midway ends with an error event (OpenAI's error body) before
     ``[DONE]``."""
+    chat = fmt.chat
     kind = "chat.completion.chunk" if chat else "text_completion"
     num_tokens = dict.fromkeys(range(params.n), 0)  # per choice, for the usage
+    to_echo = set(range(params.n)) if fmt.echo is not None else set()
+    text_offsets = dict.fromkeys(range(params.n), 0)  # per choice, for completions' text_offset
     finished = False
 
     def event(choices: list[dict], usage: dict | None = None) -> str:
@@ -56,10 +62,17 @@ async def stream_events(loop: EngineLoop, request_id: str, mailbox: Mailbox, fir
                          for i in range(params.n)])
         while True:
             for c in out.outputs:
-                num_tokens[c.index] = num_tokens.get(c.index, 0) + len(c.token_ids)
-                if c.text or c.finish_reason is not None:
-                    piece = {"delta": {"content": c.text}} if chat else {"text": c.text, "logprobs": None}
-                    yield event([{"index": c.index, **piece, "finish_reason": c.finish_reason}])
+                num_tokens[c.index] = num_tokens.get(c.index, 0) + (0 if fmt.echo_only else len(c.token_ids))
+                # The echo waits for the prompt's logprobs (a chunked prefill reports before they exist).
+                echo = c.index in to_echo and (fmt.top is None or out.prompt_logprobs is not None)
+                text, ids, entries = fmt.text_and_entries(out, c, with_echo=echo)
+                if echo or text or c.finish_reason is not None or (fmt.top is not None and ids):
+                    to_echo.discard(c.index)
+                    logprobs = fmt.logprobs(ids, entries, text_offsets[c.index])
+                    if fmt.texts is not None:  # offsets count token texts, as the whole answer's do
+                        text_offsets[c.index] += sum(len(fmt.texts[t]) for t in ids)
+                    piece = {"delta": {"content": text}} if chat else {"text": text}
+                    yield event([{"index": c.index, **piece, "logprobs": logprobs, "finish_reason": c.finish_reason}])
             if out.finished:
                 if out.error:
                     yield f"data: {json.dumps(output_error(out).body())}\n\n"
