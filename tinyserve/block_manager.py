@@ -218,7 +218,7 @@ class BlockSpaceManager:
     def _destination(self, src: PhysicalTokenBlock, dst_alloc: BlockAllocator) -> tuple[PhysicalTokenBlock, bool]:
         """The block that takes ``src``'s content on the other device, and whether the worker must
         copy it there: always a fresh block and a copy here. (A subclass may find a block that
-        already holds it: see ``prefix_cache.PrefixCachingBlockSpaceManager``.)"""
+        already holds the content, and need no copy.)"""
         return dst_alloc.allocate(), True
 
     # -- release ---------------------------------------------------------------------------
