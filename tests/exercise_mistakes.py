@@ -301,18 +301,20 @@ MISTAKES.update({
 
 
 def _admission(waiting, token_budget, max_num_seqs, num_free_blocks, block_size, skip=False, blocks=True,
-               seqs=True):
-    out = []
+               seqs=True, ignore_long=True, ignore_big=True):
+    out, budget, free = [], token_budget, num_free_blocks
     for rid, n in waiting:
         need = -(-n // block_size)
-        fits = n <= token_budget and (not seqs or len(out) < max_num_seqs) and (not blocks or need <= num_free_blocks)
+        if (ignore_long and n > token_budget) or (ignore_big and blocks and need > num_free_blocks):
+            continue                                                    # can never run: ignored
+        fits = n <= budget and (not seqs or len(out) < max_num_seqs) and (not blocks or need <= free)
         if not fits:
             if skip:
                 continue
             break
         out.append(rid)
-        token_budget -= n
-        num_free_blocks -= need
+        budget -= n
+        free -= need
     return out
 
 
@@ -376,6 +378,8 @@ MISTAKES.update({
         lambda *a: _admission(*a, skip=True),       # skips a prompt that does not fit to take a later one
         lambda *a: _admission(*a, blocks=False),    # forgets the cache
         lambda *a: _admission(*a, seqs=False),      # forgets max_num_seqs
+        lambda *a: _admission(*a, ignore_long=False, ignore_big=False),  # stops at a never-fitting prompt
+        lambda *a: _admission(*a, ignore_big=False),  # ignores a too-long prompt, waits for one bigger than the cache
     ],
     "check_preempted": [
         lambda *a: _preempted(*a, oldest_first=True),

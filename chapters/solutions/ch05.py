@@ -6,15 +6,18 @@ from tinyserve.sequence import SequenceStatus
 
 
 def admission(waiting, token_budget, max_num_seqs, num_free_blocks, block_size):
-    # Walk the queue from the front, stop at the first prompt that does not fit.
-    admitted = []
+    # Walk the queue from the front. A prompt that can never run is ignored and the walk goes
+    # on (section 5.6); the first one that only has to wait stops it (first come, first served).
+    admitted, budget_left, free_left = [], token_budget, num_free_blocks
     for rid, prompt_len in waiting:
         blocks = -(-prompt_len // block_size)
-        if prompt_len > token_budget or len(admitted) == max_num_seqs or blocks > num_free_blocks:
+        if prompt_len > token_budget or blocks > num_free_blocks:
+            continue  # longer than any round, or more blocks than the whole cache: ignored
+        if prompt_len > budget_left or len(admitted) == max_num_seqs or blocks > free_left:
             break
         admitted.append(rid)
-        token_budget -= prompt_len
-        num_free_blocks -= blocks
+        budget_left -= prompt_len
+        free_left -= blocks
     return admitted
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from tinyserve.attention.triton_env import max_along, sum_along, tl, triton
+from tinyserve.lab import softmax_walk
 
 
 @triton.jit
@@ -62,3 +63,12 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], TILE_N=16,
     )
     return out
+
+
+def walk_at_tiles(ex, tiles=(1, 16, 64, 1000), seq=0, kv_head=1):
+    """Exercise 3: one program of the example batch ``ex`` (``kernel_plan.example_inputs()``),
+    sequence ``seq`` and KV head ``kv_head`` over its whole context, walked in PyTorch at each
+    tile size; a dict from tile size to the ``ProgramWalk``."""
+    return {tile: softmax_walk.walk_program(ex.q[seq], ex.k_cache, ex.v_cache, ex.tables[seq], kv_head, ex.scale,
+                                            0, ex.context_lens[seq], tile)
+            for tile in tiles}

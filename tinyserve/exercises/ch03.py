@@ -104,6 +104,35 @@ def _decode_state(cls: type, rng: random.Random) -> tuple[BlockSpaceManager, Seq
     return bm, group
 
 
+def _describe_decode_state(bm: BlockSpaceManager, group: SequenceGroup) -> str:
+    """The whole case: every sample of the group, running or finished, whether a running one's
+    next token needs a new block (a fresh one or a copy-on-write copy), and the free blocks."""
+    samples = []
+    for s in group.get_seqs():
+        if s.status != SequenceStatus.RUNNING:
+            samples.append(f"seq {s.seq_id} finished")
+            continue
+        table = bm.block_tables[s.seq_id]
+        if len(table) < s.n_blocks:
+            need = "needs a new block"
+        elif table[-1].ref_count > 1:
+            need = "needs a copy of its shared last block"
+        else:
+            need = "needs no new block"
+        samples.append(f"seq {s.seq_id} running, {need}")
+    running = group.num_seqs(SequenceStatus.RUNNING)
+    plural = "s" if len(samples) > 1 else ""
+    return (f"a group of {len(samples)} sample{plural} ({'; '.join(samples)}): {running} running, "
+            f"{bm.get_num_free_gpu_blocks()} of {bm.num_total_gpu_blocks} GPU blocks free")
+
+
+def answer_name(answer: object, fallback: str) -> str:
+    """The name the reader gave their answer (a class's or a function's), for the checker's
+    report; ``fallback`` for one without a name of its own (a lambda, a partial)."""
+    name = getattr(answer, "__name__", None)
+    return name if isinstance(name, str) and name.isidentifier() else fallback
+
+
 def manager_workloads() -> list[SimWorkload]:
     runs = seed_workloads()
     rng = random.Random(3)
@@ -133,14 +162,11 @@ def check_conservative_manager(cls: type, num_cases: int = 150, seed: int = 0) -
 
     def describe(args: tuple) -> str:
         bm, group = _decode_state(_ConservativeModel, random.Random(args[0]))
-        running = group.get_seqs(SequenceStatus.RUNNING)
-        needs = sum(len(bm.block_tables[s.seq_id]) < s.n_blocks or bm.block_tables[s.seq_id][-1].ref_count > 1
-                    for s in running)
-        return (f"{len(running)} running samples of which {needs} need a new block, "
-                f"{bm.get_num_free_gpu_blocks()} free GPU blocks")
+        return _describe_decode_state(bm, group)
 
-    rule_ok = run_cases("ConservativeManager.can_append_slot", decide, cases, describe=describe,
+    name = answer_name(cls, "ConservativeManager")
+    rule_ok = run_cases(f"{name}.can_append_slot", decide, cases, describe=describe,
                         same=lambda got, want: isinstance(got, bool) and got == want)
-    engine_ok = check_runs("ConservativeManager in the scheduler", manager_workloads(),
+    engine_ok = check_runs(f"{name} in the scheduler", manager_workloads(),
                            lambda *w: run_with_manager(cls, *w), lambda *w: run_with_manager(_ConservativeModel, *w))
     return rule_ok and engine_ok

@@ -18,6 +18,7 @@ from tinyserve import presets
 from tinyserve.block import Device
 from tinyserve.block_manager import BlockSpaceManager
 from tinyserve.config import CacheConfig, SchedulerConfig
+from tinyserve.exercises.ch03 import answer_name
 from tinyserve.exercises.sched_runs import SimWorkload, check_runs, run_with_manager, scheduler_run, seed_workloads
 from tinyserve.exercises.verdict import checker, run_cases
 from tinyserve.scheduler import Scheduler
@@ -50,26 +51,45 @@ def _admitted(case: dict) -> list[str]:
     return [s.seq_group.request_id for s in out.scheduled_seq_groups]
 
 
+def _prompt_len(rng: random.Random, budget: int, free: int, block_size: int, never: bool) -> int:
+    """A prompt that fits the budget and the cache on its own, or, if ``never``, one that can never
+    run: longer than the budget, or with more blocks than the whole cache (or both)."""
+    longest = min(budget, free * block_size)
+    if not never:
+        return rng.randint(1, longest)
+    kinds = ["too long"] + (["too big"] if free * block_size < budget else [])
+    if rng.choice(kinds) == "too long":
+        return budget + rng.randint(1, 12)
+    return rng.randint(free * block_size + 1, budget)  # within the budget, more blocks than the cache
+
+
 @checker(chapter=5, answer="admission")
-def check_admission(fn: Callable[..., list[str]], num_cases: int = 40, seed: int = 3) -> bool:
+def check_admission(fn: Callable[..., list[str]], num_cases: int = 60, seed: int = 3) -> bool:
     """``fn(waiting, token_budget, max_num_seqs, num_free_blocks, block_size)`` returns the ids
     the vLLM policy admits into a prefill round, in order. ``waiting`` is a list of
-    (request id, prompt length), front of the queue first; nothing is running. Every prompt
-    fits the token budget and the cache on its own."""
+    (request id, prompt length), front of the queue first; nothing is running, the watermark is
+    0, and ``max_model_len`` is the token budget. A prompt that can never run (longer than the
+    budget, or needing more blocks than the whole cache) is ignored (section 5.6) and does not
+    hold up the prompts behind it. Many cases put one or two such prompts in the queue, ahead
+    of others that fit."""
     rng = random.Random(seed)
-    cases = []
-    for _ in range(num_cases):
+    cases = [{"waiting": [("a", 30), ("b", 3)], "token_budget": 10, "max_num_seqs": 4, "num_free_blocks": 4,
+              "block_size": 5}]
+    while len(cases) < num_cases:
         block_size = rng.choice([2, 4, 8])
         budget = rng.randint(8, 40)
         free = rng.randint(2, 10)
-        longest = min(budget, free * block_size)
-        waiting = [(f"r{i}", rng.randint(1, longest)) for i in range(rng.randint(1, 6))]
-        case = {"waiting": waiting, "token_budget": budget, "max_num_seqs": rng.randint(1, 5),
-                "num_free_blocks": free, "block_size": block_size}
-        cases.append((case, _admitted(case)))
-    return run_cases("admission", lambda c: list(fn(list(c["waiting"]), c["token_budget"], c["max_num_seqs"],
-                                                   c["num_free_blocks"], c["block_size"])),
-                     [((case,), want) for case, want in cases], describe=lambda args: _describe_case(args[0]))
+        size = rng.randint(1, 6)
+        never = {rng.randrange(size)} if size > 1 and len(cases) % 2 else set()
+        if never and rng.random() < 0.3:
+            never.add(rng.randrange(size))
+        waiting = [(f"r{i}", _prompt_len(rng, budget, free, block_size, i in never)) for i in range(size)]
+        cases.append({"waiting": waiting, "token_budget": budget, "max_num_seqs": rng.randint(1, 5),
+                      "num_free_blocks": free, "block_size": block_size})
+    return run_cases(answer_name(fn, "admission"),
+                     lambda c: list(fn(list(c["waiting"]), c["token_budget"], c["max_num_seqs"],
+                                       c["num_free_blocks"], c["block_size"])),
+                     [((case,), _admitted(case)) for case in cases], describe=lambda args: _describe_case(args[0]))
 
 
 def _preempted(case: dict) -> list[str]:
@@ -101,7 +121,8 @@ def check_preempted(fn: Callable[[list[str], dict[str, bool], int], list[str]], 
         case = {"running": running, "needs_block": {rid: rng.random() < 0.6 for rid in running},
                 "num_free_blocks": rng.randint(0, 2)}
         cases.append(((case,), _preempted(case)))
-    return run_cases("preempted", lambda c: list(fn(list(c["running"]), dict(c["needs_block"]), c["num_free_blocks"])),
+    return run_cases(answer_name(fn, "preempted"),
+                     lambda c: list(fn(list(c["running"]), dict(c["needs_block"]), c["num_free_blocks"])),
                      cases, describe=lambda args: _describe_case(args[0]))
 
 
@@ -156,10 +177,11 @@ def check_victim_policy(fn: Callable[[list[SequenceGroup]], SequenceGroup], num_
     real scheduler on s0/s1/s2 and random workloads."""
     lists = _victim_lists(num_cases, seed)
     cases = [((groups,), _most_tokens(groups).request_id) for groups in lists]
-    rule_ok = run_cases("most_tokens_victim", lambda groups: fn(list(groups)).request_id, cases,
+    name = answer_name(fn, "most_tokens_victim")
+    rule_ok = run_cases(name, lambda groups: fn(list(groups)).request_id, cases,
                         describe=lambda args: "running " + ", ".join(f"{g.request_id}({_num_tokens(g)} tokens)"
                                                                      for g in args[0]))
-    engine_ok = check_runs("most_tokens_victim in the scheduler", victim_workloads(),
+    engine_ok = check_runs(f"{name} in the scheduler", victim_workloads(),
                            lambda *w: scheduler_run(*w, choose_victim=fn),
                            lambda *w: scheduler_run(*w, choose_victim=_most_tokens))
     return rule_ok and engine_ok
@@ -248,8 +270,9 @@ def check_cautious_swap_in(cls: type, num_cases: int = 150, seed: int = 0) -> bo
                 f"{on_gpu} sequences on the GPU, {bm.get_num_free_gpu_blocks()} of {bm.num_total_gpu_blocks} "
                 f"GPU blocks free, watermark {bm.watermark_blocks} blocks")
 
-    rule_ok = run_cases("CautiousSwapManager.can_swap_in", decide, cases, describe=describe,
+    name = answer_name(cls, "CautiousSwapManager")
+    rule_ok = run_cases(f"{name}.can_swap_in", decide, cases, describe=describe,
                         same=lambda got, want: isinstance(got, bool) and got == want)
-    engine_ok = check_runs("CautiousSwapManager in the scheduler", swap_in_workloads(),
+    engine_ok = check_runs(f"{name} in the scheduler", swap_in_workloads(),
                            lambda *w: run_with_manager(cls, *w), lambda *w: run_with_manager(_CautiousModel, *w))
     return rule_ok and engine_ok
