@@ -28,7 +28,7 @@ LAYERS = [
     ["parallel"],
     ["serve"],
     ["lab"],  # matplotlib-free models and measurements that viz draws
-    ["viz", "exercises"],
+    ["viz", "exercises", "workspace"],
 ]
 # LLM(tensor_parallel_size>1) starts the parallel executor, which is built on the engine's parts.
 LAZY_ALLOWED = {("engine", "parallel")}

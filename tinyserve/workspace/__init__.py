@@ -1,0 +1,56 @@
+"""The reader's workspace: the components a reader writes, saved across chapters and plugged into
+the scheduler and the engine in place of the package's own.
+
+The workspace is a plain Python package directory outside the checkout's tracked files:
+``$TINYSERVE_WORKSPACE`` if set, else ``~/.tinyserve/workspace``. Running a chapter writes there
+and nowhere else. Each component is one module; the object of the fixed name is what the
+assembly plugs in:
+
+    component        module               object               chapter  goes in through
+    allocator        allocator.py         BlockAllocator       02       BlockSpaceManager(allocator=)
+    block_manager    block_manager.py     BlockSpaceManager    03       Scheduler(block_manager=)
+    admission        admission.py         can_admit            04       Scheduler(can_admit=)
+    scheduler_round  scheduler_round.py   Scheduler            04-05    the scheduler itself (no model only)
+    victim           victim.py            choose_victim        05       Scheduler(choose_victim=)
+    cache_engine     cache_engine.py      CacheEngine          06       Worker(cache_engine=)
+    attention        attention.py         AttentionBackend     07       attention_backend=<object>
+    input_builder    input_builder.py     prepare_inputs       09       (saved and loaded; no hook yet)
+    sampler          sampler.py           Sampler              09       LLMEngine(sampler=)
+
+A class named ``AttentionBackend`` or ``Sampler`` is instantiated (``Sampler(seed)``); an object
+of that name is used as it is. ``can_admit`` and ``choose_victim`` may be functions or callable
+objects; ``BlockAllocator`` and ``CacheEngine`` are classes (or factories) called with the
+package's constructor arguments; ``BlockSpaceManager`` and ``Scheduler`` are classes with the
+package's constructors (a subclass of the package's class is the usual answer).
+
+- ``%%workspace <component>`` (a cell magic: ``%load_ext tinyserve.workspace`` or
+  ``register_magic()``) runs the cell and, if it ran, saves its source as the component's module;
+  ``save(component, source_or_object)`` does the same from code (``store``).
+- ``load(component)`` imports the reader's module afresh and returns the object, or None.
+- ``build_scheduler(...)`` and ``build_engine(...)`` assemble a scheduler (no model) or an engine
+  from the reader's parts, the package's for the rest, with a report of whose each part is
+  (``assemble``).
+- ``your_engine_so_far(chapter)`` runs s0/s1/s2 through the reader's parts beside the package's
+  and prints a verdict: the same rounds (chapters 02–05) or tokens (06 on), or the first
+  difference (``so_far``).
+"""
+
+from __future__ import annotations
+
+from tinyserve.workspace.assemble import Report, build_engine, build_scheduler
+from tinyserve.workspace.magic import load_ipython_extension, register_magic
+from tinyserve.workspace.so_far import Verdict, your_engine_so_far
+from tinyserve.workspace.store import (
+    COMPONENTS,
+    Component,
+    WorkspaceError,
+    load,
+    remove,
+    save,
+    saved_components,
+    workspace_dir,
+)
+
+__all__ = ["COMPONENTS", "Component", "Report", "Verdict", "WorkspaceError", "build_engine", "build_scheduler",
+           "load", "load_ipython_extension", "register_magic", "remove", "save", "saved_components",
+           "workspace_dir", "your_engine_so_far"]

@@ -1,0 +1,187 @@
+"""Assembling a scheduler or an engine from the workspace: the reader's parts where written, the
+package's for the rest, and a report of whose each part is.
+
+Every part goes in through a documented constructor argument: the allocator through
+``BlockSpaceManager(allocator=)``, the block manager, admission rule and victim policy through
+``Scheduler(block_manager=, can_admit=, choose_victim=)``, the cache engine through
+``Worker(cache_engine=)``, attention through ``attention_backend=<object>`` and the sampler through
+``LLMEngine(sampler=)``. A reader's ``scheduler_round`` (a ``Scheduler`` class) is the scheduler
+itself in ``build_scheduler``; the engine builds its own Scheduler and has no argument for one,
+so there the package's round runs (and the reader's scheduler parts are put in by building the
+engine's scheduler afresh, before any request, with them). ``input_builder`` has no hook yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+from tinyserve import presets
+from tinyserve.block_manager import BlockSpaceManager, V04BlockSpaceManager
+from tinyserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from tinyserve.engine import LLMEngine
+from tinyserve.scheduler import Scheduler, make_block_manager
+from tinyserve.workspace.store import COMPONENTS, load
+
+YOURS, PACKAGES = "yours", "package's"
+SCHEDULER_PARTS = ("allocator", "block_manager", "admission", "scheduler_round", "victim")
+ENGINE_PARTS = ("allocator", "block_manager", "admission", "scheduler_round", "victim", "cache_engine",
+                "attention", "input_builder", "sampler")
+
+
+class Report(dict):
+    """``{component: "yours" | "package's"}`` in the book's order, with ``notes`` on parts that were
+    written but could not be used (and why)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.notes: list[str] = []
+
+    def yours(self) -> list[str]:
+        return [name for name, whose in self.items() if whose == YOURS]
+
+    def __str__(self) -> str:
+        mine = ", ".join(self.yours()) or "none yet"
+        theirs = ", ".join(n for n, w in self.items() if w != YOURS) or "none"
+        return "\n".join([f"your parts: {mine}", f"the package's: {theirs}"] + [f"  note: {n}" for n in self.notes])
+
+
+def _gather(names: tuple[str, ...], chapter: int | None, strict: bool) -> tuple[dict, Report]:
+    """Load each named component the reader has written (up to ``chapter``'s, if given)."""
+    parts, report = {}, Report()
+    for name in names:
+        obj = None
+        if chapter is None or COMPONENTS[name].chapter <= chapter:
+            obj = load(name, strict=strict)
+        if obj is not None:
+            parts[name] = obj
+        report[name] = YOURS if obj is not None else PACKAGES
+    return parts, report
+
+
+def _takes(cls, keyword: str) -> bool:
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == keyword or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _disown(report: Report, name: str, why: str) -> None:
+    report[name] = PACKAGES
+    report.notes.append(f"your {name} is saved but not used: {why}")
+
+
+def _scheduler(parts: dict, report: Report, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+               use_round: bool) -> Scheduler:
+    """A Scheduler with the reader's parts in ``parts`` (the package's for the others)."""
+    cc = cache_config
+    allocator, manager_cls = parts.get("allocator"), parts.get("block_manager")
+    manager = None
+    if manager_cls is not None:
+        kwargs = {}
+        if allocator is not None:
+            if _takes(manager_cls, "allocator"):
+                kwargs["allocator"] = allocator
+            else:
+                _disown(report, "allocator", "your BlockSpaceManager takes no allocator= argument")
+        manager = manager_cls(cc.block_size, cc.num_gpu_blocks, cc.num_cpu_blocks, cc.watermark, **kwargs)
+    elif allocator is not None:
+        if cc.enable_prefix_caching:
+            _disown(report, "allocator", "the prefix-caching block manager takes no allocator= argument")
+        else:
+            cls = V04BlockSpaceManager if scheduler_config.compat == "vllm-0.4" else BlockSpaceManager
+            manager = cls(cc.block_size, cc.num_gpu_blocks, cc.num_cpu_blocks, cc.watermark, allocator=allocator)
+    cls = Scheduler
+    if "scheduler_round" in parts:
+        if use_round:
+            cls = parts["scheduler_round"]
+        else:
+            _disown(report, "scheduler_round", "LLMEngine builds its own Scheduler (it needs a scheduler= hook)")
+    return cls(scheduler_config, cache_config, block_manager=manager or make_block_manager(cc, scheduler_config.compat),
+               choose_victim=parts.get("victim"), can_admit=parts.get("admission"))
+
+
+def _configs(preset_or_configs) -> tuple[SchedulerConfig, CacheConfig]:
+    if preset_or_configs is None:
+        preset_or_configs = presets.seed_rounds("swap")
+    if isinstance(preset_or_configs, presets.Preset):
+        sc, cc = preset_or_configs.scheduler_config, preset_or_configs.cache_config
+    else:
+        sc, cc = preset_or_configs
+    if not isinstance(sc, SchedulerConfig) or not isinstance(cc, CacheConfig):
+        raise ValueError("give a presets.Preset or a (SchedulerConfig, CacheConfig) pair, "
+                         f"got {preset_or_configs!r}")
+    return dataclasses.replace(sc), dataclasses.replace(cc)  # the engine fills in a config's None fields
+
+
+def build_scheduler(preset_or_configs=None, *, chapter: int | None = None,
+                    strict: bool = False) -> tuple[Scheduler, Report]:
+    """A Scheduler (no model) on a preset's configs (default: ``presets.seed_rounds("swap")``), or a
+    ``(scheduler_config, cache_config)`` pair, with the reader's allocator, block manager,
+    admission rule, scheduler round and victim policy where written (those of chapters up to
+    ``chapter``, if given: ``chapter=0`` is the package's scheduler), and the report.
+    ``sim.simulate(..., scheduler=)`` runs it. A saved part that fails to import is reported and
+    the package's is used, unless ``strict`` (then WorkspaceError)."""
+    sc, cc = _configs(preset_or_configs)
+    parts, report = _gather(SCHEDULER_PARTS, chapter, strict)
+    return _scheduler(parts, report, sc, cc, use_round=True), report
+
+
+@functools.cache
+def _default_model():
+    """SmolLM2-135M on the CPU in float32 if it is installed, otherwise the tests' tiny Llama."""
+    import torch
+
+    from tinyserve.models.default_model import ensure_default_model
+    from tinyserve.models.loader import load_model
+    from tinyserve.models.tiny import tiny_model
+
+    try:
+        return load_model(ensure_default_model(), device="cpu", dtype=torch.float32)
+    except Exception:  # the weights package is missing: the engine still runs, on random weights
+        return tiny_model()
+
+
+def _loaded(model):
+    import torch
+
+    from tinyserve.models.loader import LoadedModel, load_model
+
+    if model is None:
+        return _default_model()
+    if isinstance(model, LoadedModel):
+        return model
+    return load_model(model, device="cpu", dtype=torch.float32)
+
+
+def build_engine(model=None, *, preset=None, chapter: int | None = None, strict: bool = False,
+                 attention_backend="torch", **engine_kwargs) -> tuple[LLMEngine, Report]:
+    """An LLMEngine over ``model`` (a LoadedModel, a model name or directory; default SmolLM2 if
+    installed, else the tiny random Llama) on ``preset``'s configs (default the s0/s1/s2 preset),
+    with every part the reader has written (up to ``chapter``'s; ``chapter=0``: none) and the
+    package's for the rest, and the report. ``attention_backend`` is the package's backend used where the reader has not
+    written one; ``engine_kwargs`` go to LLMEngine (``record_history`` defaults to True)."""
+    from tinyserve.worker import Worker
+
+    taken = {"cache_engine", "sampler", "executor", "attention_backend"} & set(engine_kwargs)
+    if taken:
+        raise ValueError(f"build_engine fills in {', '.join(sorted(taken))} from the workspace; save your part there")
+    sc, cc = _configs(preset)
+    loaded = _loaded(model)
+    parts, report = _gather(ENGINE_PARTS, chapter, strict)
+    if "input_builder" in parts:
+        _disown(report, "input_builder", "the ModelRunner builds the inputs (it needs a prepare_inputs= hook)")
+    backend = parts.get("attention", attention_backend)
+    backend = backend() if isinstance(backend, type) else backend
+    sampler = parts.get("sampler")
+    sampler = sampler(0) if isinstance(sampler, type) else sampler
+    model_config = ModelConfig(model=str(loaded.path or "in-memory"))
+    worker = Worker(model_config, attention_backend=backend, loaded=loaded, cache_engine=parts.get("cache_engine"))
+    engine_kwargs.setdefault("record_history", True)
+    engine = LLMEngine(model_config, cc, sc, executor=worker, sampler=sampler, **engine_kwargs)
+    if any(name in parts for name in SCHEDULER_PARTS):
+        # No LLMEngine(scheduler=) yet: the engine's scheduler, still empty, is rebuilt with the parts.
+        engine.scheduler = _scheduler(parts, report, sc, engine.cache_config, use_round=False)
+    return engine, report

@@ -1,0 +1,163 @@
+""""Your engine so far": s0/s1/s2 through the reader's parts beside the package's own run.
+
+Chapters 02–05 run the scheduler with no model (the simulator's scripted requests) and compare
+the rounds: what each schedules, preempts, swaps out and in, finishes, leaves in each queue, and
+the free GPU blocks (not block numbers: an allocator may hand out other blocks and be right).
+From chapter 06 the engine runs the prompts greedily on a model (SmolLM2 if installed, else the
+tiny random Llama; with the tiny tokenizer the prompts are 9, 7 and 4 tokens, so the rounds are
+not the story's, but both runs share them) and the tokens are compared as well as the rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tinyserve import presets
+from tinyserve.sampling_params import SamplingParams
+from tinyserve.sim import RoundRecord, make_record, simulate
+from tinyserve.workspace.assemble import (
+    ENGINE_PARTS,
+    PACKAGES,
+    SCHEDULER_PARTS,
+    YOURS,
+    Report,
+    build_engine,
+    build_scheduler,
+)
+from tinyserve.workspace.store import COMPONENTS, saved_components
+
+FACTS = ("phase", "batch", "preempted", "swapped_out", "swapped_in", "finished", "ignored", "waiting", "running",
+         "swapped", "free_gpu_blocks")
+
+
+@dataclass
+class Verdict:
+    """What ``your_engine_so_far`` found: ``ok`` and the one-line ``verdict``, the report of whose
+    each part is, and both runs' rounds (and tokens, from chapter 06)."""
+
+    chapter: int
+    kind: str  # "rounds" | "tokens"
+    ok: bool
+    verdict: str
+    report: Report
+    yours: list[RoundRecord] = field(default_factory=list)
+    packages: list[RoundRecord] = field(default_factory=list)
+    your_tokens: dict[str, list[int]] = field(default_factory=dict)
+    package_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{'✓' if self.ok else '✗'} {self.verdict}\n{self.report}"
+
+
+def _show(value) -> str:
+    return ",".join(value) or "-" if isinstance(value, list) else str(value)
+
+
+def round_difference(mine: list[RoundRecord], expected: list[RoundRecord]) -> str | None:
+    """Where ``mine`` first departs from ``expected`` ("round 3: free_gpu_blocks 0 instead of 1"),
+    or None if every round decided the same."""
+    for a, b in zip(mine, expected):
+        for name in FACTS:
+            x, y = getattr(a, name), getattr(b, name)
+            if x != y:
+                return f"round {a.round}: {name} {_show(x)} instead of {_show(y)}"
+    if len(mine) != len(expected):
+        return f"{len(mine)} rounds instead of {len(expected)}"
+    return None
+
+
+def token_difference(mine: dict[str, list[int]], expected: dict[str, list[int]]) -> str | None:
+    for rid, want in expected.items():
+        got = mine.get(rid, [])
+        for i, (x, y) in enumerate(zip(got, want)):
+            if x != y:
+                return f"{rid}'s token {i + 1}: {x} instead of {y}"
+        if len(got) != len(want):
+            return f"{rid}: {len(got)} tokens instead of {len(want)}"
+    return None
+
+
+def _recorded_simulation(scheduler, preset) -> tuple[list[RoundRecord], str | None]:
+    """The simulator's rounds on ``scheduler``, kept as they happen, so that a run that raises
+    (a reader's part may) still shows the rounds before it, and the error."""
+    records: list[RoundRecord] = []
+    postprocess = scheduler.postprocess
+
+    def recording_postprocess(out, next_token):  # simulate calls it once per round, after schedule
+        finished = postprocess(out, next_token)
+        records.append(make_record(len(records) + 1, scheduler, out, finished))
+        return finished
+
+    scheduler.postprocess = recording_postprocess
+    try:
+        simulate(preset.requests, preset.scheduler_config, preset.cache_config, scheduler=scheduler)
+    except Exception as e:  # the reader's part: report it, do not stop the chapter
+        return records, f"{type(e).__name__}: {e}"
+    return records, None
+
+
+def _engine_run(engine, preset) -> tuple[dict[str, list[int]], list[RoundRecord], str | None]:
+    params = SamplingParams(temperature=0.0, max_tokens=preset.max_tokens, ignore_eos=True)
+    done: dict[str, list[int]] = {}
+    try:
+        for rid, prompt in preset.prompts.items():
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+    except Exception as e:
+        return done, engine.history, f"{type(e).__name__}: {e}"
+    return done, engine.history, None
+
+
+def _report_after_failure(chapter: int, names: tuple[str, ...]) -> Report:
+    saved = set(saved_components())
+    return Report({name: YOURS if name in saved and COMPONENTS[name].chapter <= chapter else PACKAGES
+                   for name in names})
+
+
+def your_engine_so_far(chapter: int, *, model=None, preemption_mode: str = "swap", quiet: bool = False) -> Verdict:
+    """Run s0/s1/s2 (``presets.seed_rounds(preemption_mode)``) through the reader's parts of
+    chapters up to ``chapter`` and through the package's, print the verdict ("same rounds",
+    "same tokens", or the first difference) and which parts were the reader's, and return it.
+
+    Chapters 02–05: the scheduler without a model. From 06: the engine on ``model`` (see
+    ``build_engine``), comparing tokens and rounds."""
+    preset = presets.seed_rounds(preemption_mode)
+    kind = "rounds" if chapter <= 5 else "tokens"
+    error = None
+    if kind == "rounds":
+        package, _ = _recorded_simulation(build_scheduler(preset, chapter=0)[0], preset)
+        try:
+            scheduler, report = build_scheduler(preset, chapter=chapter)
+            mine, error = _recorded_simulation(scheduler, preset)
+        except Exception as e:
+            report, mine, error = _report_after_failure(chapter, SCHEDULER_PARTS), [], f"{type(e).__name__}: {e}"
+        package_tokens: dict[str, list[int]] = {}
+        my_tokens: dict[str, list[int]] = {}
+    else:
+        engine, _ = build_engine(model, preset=preset, chapter=0)
+        package_tokens, package, _ = _engine_run(engine, preset)
+        try:
+            engine, report = build_engine(model, preset=preset, chapter=chapter)
+            my_tokens, mine, error = _engine_run(engine, preset)
+        except Exception as e:
+            report, my_tokens, mine = _report_after_failure(chapter, ENGINE_PARTS), {}, []
+            error = f"{type(e).__name__}: {e}"
+    problems = [p for p in (round_difference(mine, package),
+                            token_difference(my_tokens, package_tokens) if kind == "tokens" else None) if p]
+    if error:
+        where = f"in round {len(mine) + 1}" if mine else "before the first round"
+        # What the error cut short is not a difference of its own.
+        problems = [p for p in problems if mine and not p.endswith(f"rounds instead of {len(package)}")
+                    and " tokens instead of " not in p]
+        problems.append(f"your run raised {error} ({where})")
+    ok = not problems
+    text = f"same {kind} ({len(package)} rounds)" if ok else "; ".join(problems)
+    verdict = Verdict(chapter, kind, ok, text, report, mine, package, my_tokens, package_tokens)
+    if not quiet:
+        where = "without a model" if kind == "rounds" else "on the model, greedy"
+        print(f"Your engine so far (chapter {chapter:02d}): s0/s1/s2, preemption_mode={preemption_mode!r}, {where}")
+        print(verdict)
+    return verdict
