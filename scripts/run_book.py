@@ -5,7 +5,9 @@ Usage: python scripts/run_book.py chapters/01_kv_cache.ipynb [...]
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +39,9 @@ def execute(path: Path, timeout: int = 600) -> float:
 
 
 def main(paths: list[str]) -> None:
+    # The committed outputs are the package's and the solutions', never a reader's saved answers
+    # (tinyserve.workspace), and running the book must not overwrite those: an empty workspace.
+    os.environ["TINYSERVE_WORKSPACE"] = tempfile.mkdtemp(prefix="tinyserve-book-workspace-")
     for p in paths:
         elapsed = execute(Path(p))
         print(f"{p}: executed in {elapsed:.1f} s")

@@ -9,10 +9,14 @@ near-ties that a 1e-6 difference could flip.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 # Before torch starts its OpenMP threads (see the Makefile): notebook kernels inherit it too.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The chapters (run by test_chapters in kernels that inherit this) must never read or overwrite a
+# reader's own answers in the real workspace (tinyserve.workspace): the tests get an empty one.
+os.environ["TINYSERVE_WORKSPACE"] = tempfile.mkdtemp(prefix="tinyserve-test-workspace-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
