@@ -133,10 +133,16 @@ def test_sweep_quick_run_and_heat_map(tiny_model_dir: Path, tmp_path: Path):
 
     cells, grid = ratio_grid(saved, "generate_batch")
     assert [len(line) for line in grid] == [3, 3] and len(cells) == 2
-    assert {(s.cell, s.schedule, s.baseline) for s in shortfalls(saved)} == {
-        (cell, ours, base) for cell in cells for ours in perf_sweep.OURS for base in perf_sweep.BASELINES
-        if next(r for r in saved if (r["prompts"], r["outputs"], r["max_running"]) == cell and r["system"] == ours)
-        [f"x_{base}"] < perf_sweep.target(cell, base) - 0.005}  # x_ columns are rounded to 3 places
+    # The x_ columns are rounded to 3 places, so a ratio within 0.005 of its target may fall on
+    # either side: those may or may not be shortfalls, every other one must be decided as the column says.
+    def x(cell, ours, base):
+        return next(r for r in saved if (r["prompts"], r["outputs"], r["max_running"]) == cell
+                    and r["system"] == ours)[f"x_{base}"]
+    triples = [(cell, ours, base) for cell in cells for ours in perf_sweep.OURS for base in perf_sweep.BASELINES]
+    missed = {t for t in triples if x(*t) < perf_sweep.target(t[0], t[2]) - 0.005}
+    border = {t for t in triples if abs(x(*t) - perf_sweep.target(t[0], t[2])) <= 0.005}
+    got = {(s.cell, s.schedule, s.baseline) for s in shortfalls(saved)}
+    assert missed <= got <= missed | border
     fig = draw_sweep_heatmap(saved)
     assert len(fig.axes) == 3  # two heat maps and the colour bar
 

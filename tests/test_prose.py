@@ -240,11 +240,11 @@ def resolve_on(obj: object, attrs: list[str]) -> bool:
 def vllm_root() -> Path:
     spec = importlib.util.find_spec("vllm")  # finds the package without running its __init__
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("vllm==0.4.0 is not installed in .venv: run `make venv`")
+        pytest.fail("vllm==0.4.0 is not installed in .venv: run `make venv` (make test installs it)")
     from importlib.metadata import version
 
     if version("vllm") != "0.4.0":
-        pytest.skip(f"vllm {version('vllm')} is installed, the prose names v0.4.0's: run `make venv`")
+        pytest.fail(f"vllm {version('vllm')} is installed, the prose names v0.4.0's: run `make venv`")
     return Path(list(spec.submodule_search_locations)[0])
 
 
