@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import heapq
+import runpy
+from pathlib import Path
 
 from tinyserve.block import BlockAllocator, Device, OutOfBlocksError, PhysicalTokenBlock
 from tinyserve.block_manager import BlockSpaceManager
@@ -851,3 +853,10 @@ MISTAKES.update({
     ],
     "check_stream_text": [_stream_first_choice_only, _stream_last_chunk_only],
 })
+
+
+# Each chapter's core-component exercise (issue 22) keeps its wrong answers in a file of its own,
+# tests/mistakes_chNN.py, which defines MISTAKES the same way; they are merged in here.
+for _path in sorted(Path(__file__).parent.glob("mistakes_ch[0-9][0-9].py")):
+    for _name, _wrong in runpy.run_path(str(_path))["MISTAKES"].items():
+        MISTAKES.setdefault(_name, []).extend(_wrong)

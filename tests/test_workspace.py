@@ -152,7 +152,7 @@ def test_load_ipython_extension_registers_the_magic(shell):
 def test_with_nothing_written_every_part_is_the_packages():
     scheduler, report = ws.build_scheduler()
     assert set(report.values()) == {"package's"} and report.yours() == []
-    assert list(report) == ["allocator", "block_manager", "admission", "scheduler_round", "victim"]
+    assert list(report) == ["allocator", "block_manager", "admission", "orca_round", "scheduler_round", "victim"]
 
 
 def test_the_readers_allocator_is_the_one_the_scheduler_uses():

@@ -39,21 +39,26 @@ from tinyserve.worker import Worker
 class LLMEngine:
     """The serving loop over one Worker (or a tensor-parallel executor of several).
 
-    Two parts can be swapped for one's own through the constructor: ``cache_engine``, the class
-    (or factory with its constructor's arguments) the Worker builds its KV cache with, default
-    ``CacheEngine``; and ``sampler``, an object called as ``sampler(logits, sample_requests)`` like
-    ``Sampler``, default ``Sampler(model_config.seed)``. ``executor`` replaces the Worker itself.
+    Parts can be swapped for one's own through the constructor: ``scheduler``, the class (or
+    factory) called as ``scheduler(scheduler_config, cache_config)`` once the cache is sized,
+    default ``Scheduler``; ``cache_engine``, the class (or factory with its constructor's
+    arguments) the Worker builds its KV cache with, default ``CacheEngine``; ``prepare_inputs``,
+    the function the Worker packs a round's inputs with (see ``Worker``); and ``sampler``, an
+    object called as ``sampler(logits, sample_requests)`` like ``Sampler``, default
+    ``Sampler(model_config.seed)``. ``executor`` replaces the Worker itself.
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                  parallel_config: ParallelConfig | None = None, attention_backend: BackendSpec = "auto",
                  gpu_memory_utilization: float = 0.9, swap_space_gib: float = 1.0, executor=None,
-                 record_history: bool = False, cache_engine=None, sampler=None) -> None:
+                 record_history: bool = False, cache_engine=None, sampler=None, scheduler=None,
+                 prepare_inputs=None) -> None:
         self.model_config = model_config
         parallel_config = parallel_config or ParallelConfig()
-        _check_hooks(cache_engine, sampler, executor, parallel_config)
+        _check_hooks(executor, parallel_config, cache_engine=cache_engine, sampler=sampler, scheduler=scheduler,
+                     prepare_inputs=prepare_inputs)
         if executor is None:
-            executor = _make_executor(model_config, parallel_config, attention_backend, cache_engine)
+            executor = _make_executor(model_config, parallel_config, attention_backend, cache_engine, prepare_inputs)
         self.executor = executor
         self.tokenizer = executor.loaded.tokenizer
         hf = executor.loaded.hf_config
@@ -68,7 +73,7 @@ class LLMEngine:
         executor.init_cache(cache_config)
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
-        self.scheduler = Scheduler(scheduler_config, cache_config)
+        self.scheduler = (scheduler or Scheduler)(scheduler_config, cache_config)
         self.sampler = sampler if sampler is not None else Sampler(model_config.seed)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.vocab_size = hf.vocab_size
@@ -274,7 +279,7 @@ class LLMEngine:
 
 
 def _make_executor(model_config: ModelConfig, parallel_config: ParallelConfig, attention_backend: BackendSpec,
-                   cache_engine):
+                   cache_engine, prepare_inputs):
     """The Worker that runs the model (chapter 9), or one worker process per rank (chapter 10)."""
     # >>> chapter 10: tensor parallelism
     if parallel_config.tensor_parallel_size > 1:
@@ -282,21 +287,32 @@ def _make_executor(model_config: ModelConfig, parallel_config: ParallelConfig, a
 
         return TensorParallelExecutor(model_config, parallel_config, attention_backend)
     # <<<
-    return Worker(model_config, attention_backend=attention_backend, cache_engine=cache_engine)
+    return Worker(model_config, attention_backend=attention_backend, cache_engine=cache_engine,
+                  prepare_inputs=prepare_inputs)
 
 
-def _check_hooks(cache_engine, sampler, executor, parallel_config: ParallelConfig) -> None:
+# What each replaceable part must be, for the error that refuses it.
+_HOOK_KINDS = {
+    "cache_engine": "a CacheEngine class or a factory taking its arguments",
+    "prepare_inputs": "a function called as prepare_inputs(groups, block_size, device), like model_runner's",
+    "sampler": "callable as sampler(logits, sample_requests), like Sampler",
+    "scheduler": "a Scheduler class or a factory called as scheduler(scheduler_config, cache_config)",
+}
+_WORKER_PARTS = ("cache_engine", "prepare_inputs")  # given to the Worker the engine builds
+
+
+def _check_hooks(executor, parallel_config: ParallelConfig, **parts) -> None:
     """Refuse a replacement part that is not callable, or that the engine could not pass on."""
-    if cache_engine is not None:
-        if not callable(cache_engine):
-            raise ValueError(f"cache_engine must be a CacheEngine class or a factory taking its arguments, "
-                             f"got {cache_engine!r}")
+    for name, part in parts.items():
+        if part is None:
+            continue
+        if not callable(part):
+            raise ValueError(f"{name} must be {_HOOK_KINDS[name]}; got {part!r}")
+        if name not in _WORKER_PARTS:
+            continue
         if executor is not None:
-            raise ValueError("cache_engine is given to the Worker the engine builds; with executor=..., "
-                             "pass it to that Worker instead (Worker(..., cache_engine=...))")
+            raise ValueError(f"{name} is given to the Worker the engine builds; with executor=..., "
+                             f"pass it to that Worker instead (Worker(..., {name}=...))")
         if parallel_config.tensor_parallel_size > 1:
-            raise ValueError("cache_engine works with tensor_parallel_size=1 only: the ranks build their caches "
+            raise ValueError(f"{name} works with tensor_parallel_size=1 only: the ranks build their workers "
                              "in their own processes")
-    if sampler is not None and not callable(sampler):
-        raise ValueError(f"sampler must be callable as sampler(logits, sample_requests), like Sampler; "
-                         f"got {sampler!r}")

@@ -32,8 +32,10 @@ class LLM:
     ``max_model_len=None`` is the model's own limit (read from its config, not its weights).
     ``attention_backend`` is a name ("auto", "torch", "torch-batched", "triton") or a backend
     object (two methods, see ``tinyserve.attention.backend``) that then runs in every attention
-    layer of the real engine. ``cache_engine`` (a CacheEngine class or factory) and ``sampler``
-    (an object called like ``Sampler``) replace those parts of the engine (see ``LLMEngine``).
+    layer of the real engine. ``scheduler`` (a Scheduler class or factory), ``cache_engine`` (a
+    CacheEngine class or factory), ``prepare_inputs`` (a function like
+    ``model_runner.prepare_inputs``) and ``sampler`` (an object called like ``Sampler``) replace
+    those parts of the engine (see ``LLMEngine``).
     """
 
     def __init__(self, model: str = "smollm2-135m", *, device: str = "auto", dtype: str | torch.dtype = "auto",
@@ -43,7 +45,8 @@ class LLM:
                  attention_backend: BackendSpec = "auto", tensor_parallel_size: int = 1, seed: int = 0,
                  enable_prefix_caching: bool = False, enable_chunked_prefill: bool = False,
                  gpu_memory_utilization: float = 0.9, swap_space: float = 1.0, record_history: bool = False,
-                 compat: str = "tinyserve", cache_engine=None, sampler=None) -> None:
+                 compat: str = "tinyserve", cache_engine=None, sampler=None, scheduler=None,
+                 prepare_inputs=None) -> None:
         model_config = ModelConfig(model=model, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len)
         check_backend(attention_backend)  # refused before any weights are read
         cache_config = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
@@ -57,7 +60,8 @@ class LLM:
                                 ParallelConfig(tensor_parallel_size=tensor_parallel_size),
                                 attention_backend=attention_backend, gpu_memory_utilization=gpu_memory_utilization,
                                 swap_space_gib=swap_space, record_history=record_history,
-                                cache_engine=cache_engine, sampler=sampler)
+                                cache_engine=cache_engine, sampler=sampler, scheduler=scheduler,
+                                prepare_inputs=prepare_inputs)
         self._counter = itertools.count()
 
     @property

@@ -12,10 +12,11 @@ from collections.abc import Callable
 
 import torch
 
+from tinyserve import model_runner
 from tinyserve.attention.backend import BackendSpec, backend_label
 from tinyserve.cache_engine import CacheEngine
 from tinyserve.config import CacheConfig, ModelConfig, dtype_name, resolve_device
-from tinyserve.model_runner import ModelInput, prepare_inputs
+from tinyserve.model_runner import ModelInput
 from tinyserve.models.loader import LoadedModel, load_model
 from tinyserve.sequence import SequenceGroupMetadata
 
@@ -32,12 +33,16 @@ class Worker:
     loads ``model_config.model``, resolving device and dtype. Either way the Worker runs where
     the model's weights are and in their dtype. ``cache_engine`` is the class that holds the KV
     cache (default ``CacheEngine``; another class with its constructor, ``gpu_cache`` and
-    ``swap_in``/``swap_out``/``copy`` can stand in, e.g. a reader's own).
+    ``swap_in``/``swap_out``/``copy`` can stand in, e.g. a reader's own). ``prepare_inputs`` is
+    the function that packs a round's groups into the model's inputs, called as
+    ``prepare_inputs(groups, block_size, device)`` and returning a ``ModelInput`` (default
+    ``model_runner.prepare_inputs``).
     """
 
     def __init__(self, model_config: ModelConfig, attention_backend: BackendSpec = "auto", tp_rank: int = 0,
                  tp_size: int = 1, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 loaded: LoadedModel | None = None, cache_engine: type[CacheEngine] | None = None) -> None:
+                 loaded: LoadedModel | None = None, cache_engine: type[CacheEngine] | None = None,
+                 prepare_inputs: Callable[..., ModelInput] | None = None) -> None:
         torch.manual_seed(model_config.seed)
         if loaded is None:
             loaded = load_model(model_config.model, device=model_config.device, dtype=model_config.dtype,
@@ -52,6 +57,7 @@ class Worker:
         self.head_dim = self.model.head_dim
         self.num_kv_heads = self.model.num_kv_heads  # this rank's share
         self.cache_engine_class = cache_engine or CacheEngine
+        self.prepare_inputs = prepare_inputs or model_runner.prepare_inputs
         self.cache_engine: CacheEngine | None = None
         self.block_size = 0
 
@@ -95,7 +101,7 @@ class Worker:
         self.cache_engine.copy(blocks_to_copy)
         if not groups:
             return None
-        inputs = prepare_inputs(groups, self.block_size, self.device)
+        inputs = self.prepare_inputs(groups, self.block_size, self.device)
         return self.run(inputs)
 
     def run(self, inputs: ModelInput) -> torch.Tensor:

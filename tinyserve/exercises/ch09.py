@@ -20,6 +20,7 @@ from tinyserve.cache_engine import CacheEngine
 from tinyserve.config import CacheConfig
 from tinyserve.exercises.engine_runs import run_engine, same_tokens
 from tinyserve.exercises.verdict import checker, run_cases, verdict
+from tinyserve.model_runner import prepare_inputs
 from tinyserve.sampler import SampleRequest
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.sequence import Sequence, SequenceGroupMetadata
@@ -120,6 +121,7 @@ class _ToyWorker:
         self.block_size = 1
         self.device = torch.device("cpu")
         self.writes = writes
+        self.prepare_inputs = prepare_inputs
 
     def run(self, inputs) -> torch.Tensor:
         k_cache = self.cache_engine.gpu_cache[0][0]

@@ -10,12 +10,15 @@ assembly plugs in:
     allocator        allocator.py         BlockAllocator       02       BlockSpaceManager(allocator=)
     block_manager    block_manager.py     BlockSpaceManager    03       Scheduler(block_manager=)
     admission        admission.py         can_admit            04       Scheduler(can_admit=)
-    scheduler_round  scheduler_round.py   Scheduler            04-05    the scheduler itself (no model only)
+    orca_round       orca_round.py        Scheduler            04       LLMEngine(scheduler=) (policy="orca")
+    scheduler_round  scheduler_round.py   Scheduler            05       LLMEngine(scheduler=) (policy="vllm")
     victim           victim.py            choose_victim        05       Scheduler(choose_victim=)
-    cache_engine     cache_engine.py      CacheEngine          06       Worker(cache_engine=)
+    cache_engine     cache_engine.py      CacheEngine          06       LLMEngine(cache_engine=)
     attention        attention.py         AttentionBackend     07       attention_backend=<object>
-    input_builder    input_builder.py     prepare_inputs       09       (saved and loaded; no hook yet)
+    decode_kernel    decode_kernel.py     paged_decode         08       the Triton backend's decode (chapter 08)
+    input_builder    input_builder.py     prepare_inputs       09       LLMEngine(prepare_inputs=)
     sampler          sampler.py           Sampler              09       LLMEngine(sampler=)
+    parallel_mlp     parallel_mlp.py      ParallelMLP          10       the tensor-parallel MLP (chapter 10)
 
 A class named ``AttentionBackend`` or ``Sampler`` is instantiated (``Sampler(seed)``); an object
 of that name is used as it is. ``can_admit`` and ``choose_victim`` may be functions or callable
@@ -24,7 +27,8 @@ package's constructor arguments; ``BlockSpaceManager`` and ``Scheduler`` are cla
 package's constructors (a subclass of the package's class is the usual answer).
 
 - ``%%workspace <component>`` (a cell magic: ``%load_ext tinyserve.workspace`` or
-  ``register_magic()``) runs the cell and, if it ran, saves its source as the component's module;
+  ``register_magic()``) runs the cell, runs the component's checker on it, and if it passed,
+  saves its source as the component's module;
   ``save(component, source_or_object)`` does the same from code (``store``).
 - ``load(component)`` imports the reader's module afresh and returns the object, or None.
 - ``build_scheduler(...)`` and ``build_engine(...)`` assemble a scheduler (no model) or an engine
@@ -47,10 +51,11 @@ from tinyserve.workspace.store import (
     load,
     remove,
     save,
+    save_solutions,
     saved_components,
     workspace_dir,
 )
 
 __all__ = ["COMPONENTS", "Component", "Report", "Verdict", "WorkspaceError", "build_engine", "build_scheduler",
-           "load", "load_ipython_extension", "register_magic", "remove", "save", "saved_components",
+           "load", "load_ipython_extension", "register_magic", "remove", "save", "save_solutions", "saved_components",
            "workspace_dir", "your_engine_so_far"]

@@ -3,12 +3,13 @@ package's for the rest, and a report of whose each part is.
 
 Every part goes in through a documented constructor argument: the allocator through
 ``BlockSpaceManager(allocator=)``, the block manager, admission rule and victim policy through
-``Scheduler(block_manager=, can_admit=, choose_victim=)``, the cache engine through
-``Worker(cache_engine=)``, attention through ``attention_backend=<object>`` and the sampler through
-``LLMEngine(sampler=)``. A reader's ``scheduler_round`` (a ``Scheduler`` class) is the scheduler
-itself in ``build_scheduler``; the engine builds its own Scheduler and has no argument for one,
-so there the package's round runs (and the reader's scheduler parts are put in by building the
-engine's scheduler afresh, before any request, with them). ``input_builder`` has no hook yet.
+``Scheduler(block_manager=, can_admit=, choose_victim=)``, the reader's rounds (``orca_round`` of
+chapter 04 and ``scheduler_round`` of chapter 05, ``Scheduler`` subclasses, joined into one class
+when both are written) as the scheduler class, through ``LLMEngine(scheduler=)`` in the engine;
+the cache engine and the input builder through ``LLMEngine(cache_engine=, prepare_inputs=)``
+(given to the Worker), attention through ``attention_backend=<object>`` and the sampler through
+``LLMEngine(sampler=)``. Chapter 08's decode kernel and chapter 10's parallel MLP run in their
+own chapters' engines (a Triton backend, two ranks), not here.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from tinyserve.scheduler import Scheduler, make_block_manager
 from tinyserve.workspace.store import COMPONENTS, load
 
 YOURS, PACKAGES = "yours", "package's"
-SCHEDULER_PARTS = ("allocator", "block_manager", "admission", "scheduler_round", "victim")
-ENGINE_PARTS = ("allocator", "block_manager", "admission", "scheduler_round", "victim", "cache_engine",
-                "attention", "input_builder", "sampler")
+SCHEDULER_PARTS = ("allocator", "block_manager", "admission", "orca_round", "scheduler_round", "victim")
+ENGINE_PARTS = SCHEDULER_PARTS + ("cache_engine", "attention", "input_builder", "sampler")
 
 
 class Report(dict):
@@ -73,8 +73,26 @@ def _disown(report: Report, name: str, why: str) -> None:
     report.notes.append(f"your {name} is saved but not used: {why}")
 
 
+def _round_class(parts: dict, report: Report) -> type:
+    """The scheduler class: the reader's rounds (both joined if both are written), or the package's."""
+    rounds = [parts[name] for name in ("scheduler_round", "orca_round") if name in parts]
+    for name in ("scheduler_round", "orca_round"):
+        if name in parts and not (isinstance(parts[name], type) and issubclass(parts[name], Scheduler)):
+            _disown(report, name, "it must be a subclass of tinyserve.scheduler.Scheduler")
+            rounds.remove(parts[name])
+    if not rounds:
+        return Scheduler
+    if len(rounds) == 1:
+        return rounds[0]
+    try:
+        return type("YourScheduler", tuple(rounds), {})
+    except TypeError as e:  # two classes whose bases cannot be ordered together
+        _disown(report, "orca_round", f"it cannot be joined with your scheduler_round ({e})")
+        return rounds[0]
+
+
 def _scheduler(parts: dict, report: Report, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-               use_round: bool) -> Scheduler:
+               cls: type | None = None) -> Scheduler:
     """A Scheduler with the reader's parts in ``parts`` (the package's for the others)."""
     cc = cache_config
     allocator, manager_cls = parts.get("allocator"), parts.get("block_manager")
@@ -91,14 +109,10 @@ def _scheduler(parts: dict, report: Report, scheduler_config: SchedulerConfig, c
         if cc.enable_prefix_caching:
             _disown(report, "allocator", "the prefix-caching block manager takes no allocator= argument")
         else:
-            cls = V04BlockSpaceManager if scheduler_config.compat == "vllm-0.4" else BlockSpaceManager
-            manager = cls(cc.block_size, cc.num_gpu_blocks, cc.num_cpu_blocks, cc.watermark, allocator=allocator)
-    cls = Scheduler
-    if "scheduler_round" in parts:
-        if use_round:
-            cls = parts["scheduler_round"]
-        else:
-            _disown(report, "scheduler_round", "LLMEngine builds its own Scheduler (it needs a scheduler= hook)")
+            manager_cls = V04BlockSpaceManager if scheduler_config.compat == "vllm-0.4" else BlockSpaceManager
+            manager = manager_cls(cc.block_size, cc.num_gpu_blocks, cc.num_cpu_blocks, cc.watermark,
+                                  allocator=allocator)
+    cls = cls or _round_class(parts, report)
     return cls(scheduler_config, cache_config, block_manager=manager or make_block_manager(cc, scheduler_config.compat),
                choose_victim=parts.get("victim"), can_admit=parts.get("admission"))
 
@@ -126,7 +140,7 @@ def build_scheduler(preset_or_configs=None, *, chapter: int | None = None,
     the package's is used, unless ``strict`` (then WorkspaceError)."""
     sc, cc = _configs(preset_or_configs)
     parts, report = _gather(SCHEDULER_PARTS, chapter, strict)
-    return _scheduler(parts, report, sc, cc, use_round=True), report
+    return _scheduler(parts, report, sc, cc), report
 
 
 @functools.cache
@@ -165,23 +179,26 @@ def build_engine(model=None, *, preset=None, chapter: int | None = None, strict:
     written one; ``engine_kwargs`` go to LLMEngine (``record_history`` defaults to True)."""
     from tinyserve.worker import Worker
 
-    taken = {"cache_engine", "sampler", "executor", "attention_backend"} & set(engine_kwargs)
+    taken = {"cache_engine", "sampler", "executor", "attention_backend", "scheduler",
+             "prepare_inputs"} & set(engine_kwargs)
     if taken:
         raise ValueError(f"build_engine fills in {', '.join(sorted(taken))} from the workspace; save your part there")
     sc, cc = _configs(preset)
     loaded = _loaded(model)
     parts, report = _gather(ENGINE_PARTS, chapter, strict)
-    if "input_builder" in parts:
-        _disown(report, "input_builder", "the ModelRunner builds the inputs (it needs a prepare_inputs= hook)")
     backend = parts.get("attention", attention_backend)
     backend = backend() if isinstance(backend, type) else backend
     sampler = parts.get("sampler")
     sampler = sampler(0) if isinstance(sampler, type) else sampler
     model_config = ModelConfig(model=str(loaded.path or "in-memory"))
-    worker = Worker(model_config, attention_backend=backend, loaded=loaded, cache_engine=parts.get("cache_engine"))
+    worker = Worker(model_config, attention_backend=backend, loaded=loaded, cache_engine=parts.get("cache_engine"),
+                    prepare_inputs=parts.get("input_builder"))
     engine_kwargs.setdefault("record_history", True)
-    engine = LLMEngine(model_config, cc, sc, executor=worker, sampler=sampler, **engine_kwargs)
-    if any(name in parts for name in SCHEDULER_PARTS):
-        # No LLMEngine(scheduler=) yet: the engine's scheduler, still empty, is rebuilt with the parts.
-        engine.scheduler = _scheduler(parts, report, sc, engine.cache_config, use_round=False)
+    cls = _round_class(parts, report)
+
+    def scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> Scheduler:
+        # Called by the engine once the cache is sized: the block manager needs num_gpu_blocks.
+        return _scheduler(parts, report, scheduler_config, cache_config, cls)
+
+    engine = LLMEngine(model_config, cc, sc, executor=worker, sampler=sampler, scheduler=scheduler, **engine_kwargs)
     return engine, report

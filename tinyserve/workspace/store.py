@@ -36,6 +36,10 @@ class Component:
     chapter: int  # the chapter that writes it
     hook: str  # where it goes in
     prelude: str  # imports the saved module starts with
+    # The checker ``%%workspace`` runs before it saves ("tinyserve.exercises.chNN:check_x"; "" for
+    # none) and the name of the chapter's solution (chapters/solutions/chNN.py) that answers it.
+    check: str = ""
+    answer: str = ""
 
 
 COMPONENTS: dict[str, Component] = {c.name: c for c in [
@@ -49,7 +53,14 @@ COMPONENTS: dict[str, Component] = {c.name: c for c in [
               "from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus"),
     Component("admission", "admission.py", "can_admit", 4, "Scheduler(can_admit=)",
               "from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus"),
-    Component("scheduler_round", "scheduler_round.py", "Scheduler", 4, "the scheduler itself (no model only)",
+    Component("orca_round", "orca_round.py", "Scheduler", 4, "LLMEngine(scheduler=), the policy='orca' round",
+              "from collections import deque\n"
+              "from tinyserve.block_manager import AllocStatus\n"
+              "from tinyserve.scheduler import Scheduler as PackageScheduler, SchedulerOutputs\n"
+              "from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus"),
+    Component("scheduler_round", "scheduler_round.py", "Scheduler", 5, "LLMEngine(scheduler=), the policy='vllm' round",
+              "from collections import deque\n"
+              "from tinyserve.block_manager import AllocStatus\n"
               "from tinyserve.scheduler import Scheduler as PackageScheduler, SchedulerOutputs\n"
               "from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus"),
     Component("victim", "victim.py", "choose_victim", 5, "Scheduler(choose_victim=)",
@@ -58,9 +69,15 @@ COMPONENTS: dict[str, Component] = {c.name: c for c in [
               "import torch"),
     Component("attention", "attention.py", "AttentionBackend", 7, "attention_backend=<object>",
               "import torch\nfrom tinyserve.attention.metadata import AttentionMetadata"),
-    Component("input_builder", "input_builder.py", "prepare_inputs", 9, "none yet (the ModelRunner builds inputs)",
-              "import torch\nfrom tinyserve.sequence import Sequence, SequenceGroupMetadata"),
+    Component("decode_kernel", "decode_kernel.py", "paged_decode", 8, "the Triton backend's decode",
+              "import torch\nimport triton\nimport triton.language as tl"),
+    Component("input_builder", "input_builder.py", "prepare_inputs", 9, "LLMEngine(prepare_inputs=)",
+              "import torch\nfrom tinyserve.attention.metadata import AttentionMetadata\n"
+              "from tinyserve.model_runner import ModelInput\n"
+              "from tinyserve.sequence import Sequence, SequenceGroupMetadata"),
     Component("sampler", "sampler.py", "Sampler", 9, "LLMEngine(sampler=)",
+              "import torch"),
+    Component("parallel_mlp", "parallel_mlp.py", "ParallelMLP", 10, "the tensor-parallel model's MLP",
               "import torch"),
 ]}
 
@@ -105,19 +122,21 @@ def remove(name: str) -> bool:
 # -- saving -----------------------------------------------------------------------------------
 
 
-def save(name: str, obj_or_source, *, chapter: int | None = None, quiet: bool = False) -> Path:
+def save(name: str, obj_or_source, *, chapter: int | None = None, quiet: bool = False,
+         answer: str | None = None) -> Path:
     """Save the reader's component ``name`` into the workspace and return the file.
 
     ``obj_or_source`` is the source text, or the class or function itself: its source is read with
     ``inspect.getsource``, or, for one defined in a notebook (where that may fail), from the latest
     cell of the IPython session that defines it. If the source does not define the component's
-    fixed name but defines exactly one class or function, the module gets ``Fixed = Theirs``.
+    fixed name but defines exactly one class or function (or ``answer`` names the one it is), the
+    module gets ``Fixed = Theirs``.
     ValueError for an unknown component or a source without the name; SyntaxError (with the line)
     for one that does not compile.
     """
     comp = component(name)
     source = obj_or_source if isinstance(obj_or_source, str) else source_of(obj_or_source)
-    text = module_text(comp, source, chapter)
+    text = module_text(comp, source, chapter, answer)
     path = workspace_dir(create=True) / comp.module
     _write_atomic(path, text)
     if not quiet:
@@ -125,7 +144,7 @@ def save(name: str, obj_or_source, *, chapter: int | None = None, quiet: bool = 
     return path
 
 
-def module_text(comp: Component, source: str, chapter: int | None = None) -> str:
+def module_text(comp: Component, source: str, chapter: int | None = None, answer: str | None = None) -> str:
     """The module saved for ``source``: header, prelude, source, and an alias if one is needed."""
     source = textwrap.dedent(source)  # a method or nested class, as inspect gives it
     try:
@@ -135,7 +154,11 @@ def module_text(comp: Component, source: str, chapter: int | None = None) -> str
                           f"{(e.text or '').strip()!r}") from None
     defined = _top_level_names(tree)
     alias = ""
-    if comp.object not in defined:
+    if answer is not None and answer != comp.object:
+        if answer not in defined:
+            raise ValueError(f"the source defines no {answer} to save as your {comp.name}")
+        alias = f"\n\n{comp.object} = {answer}  # the name tinyserve.workspace loads\n"
+    elif comp.object not in defined:
         defs = [n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))]
         if len(defs) != 1:
             raise ValueError(f"your {comp.name} must define {comp.object} (the name the engine takes from "
@@ -206,6 +229,20 @@ def _write_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_solutions(solutions_dir: str | Path, chapters=None, quiet: bool = True) -> list[str]:
+    """Save the book's solutions as the reader's components (what ``make test`` runs the book
+    with): for each component with an ``answer``, the whole ``solutions_dir/chNN.py`` becomes its
+    module, the answer aliased to the fixed name. Returns the components saved."""
+    saved = []
+    for comp in COMPONENTS.values():
+        if not comp.answer or (chapters is not None and comp.chapter not in chapters):
+            continue
+        path = Path(solutions_dir) / f"ch{comp.chapter:02d}.py"
+        save(comp.name, path.read_text(encoding="utf-8"), chapter=comp.chapter, quiet=quiet, answer=comp.answer)
+        saved.append(comp.name)
+    return saved
 
 
 # -- loading ----------------------------------------------------------------------------------
