@@ -37,11 +37,15 @@ package's constructors (a subclass of the package's class is the usual answer).
 - ``your_engine_so_far(chapter)`` runs s0/s1/s2 through the reader's parts beside the package's
   and prints a verdict: the same rounds (chapters 02–05) or tokens (06 on), or the first
   difference (``so_far``).
+- ``capstone()`` (chapter 09) runs SmolLM2 on s0/s1/s2 and a preempting workload through every
+  part the reader has written beside the package's engine, and says whether the tokens are
+  identical (``capstone``).
 """
 
 from __future__ import annotations
 
 from tinyserve.workspace.assemble import Report, build_engine, build_scheduler
+from tinyserve.workspace.capstone import Capstone, capstone
 from tinyserve.workspace.magic import load_ipython_extension, register_magic
 from tinyserve.workspace.so_far import Verdict, your_engine_so_far
 from tinyserve.workspace.store import (
@@ -56,6 +60,6 @@ from tinyserve.workspace.store import (
     workspace_dir,
 )
 
-__all__ = ["COMPONENTS", "Component", "Report", "Verdict", "WorkspaceError", "build_engine", "build_scheduler",
-           "load", "load_ipython_extension", "register_magic", "remove", "save", "save_solutions", "saved_components",
-           "workspace_dir", "your_engine_so_far"]
+__all__ = ["COMPONENTS", "Capstone", "Component", "Report", "Verdict", "WorkspaceError", "build_engine",
+           "build_scheduler", "capstone", "load", "load_ipython_extension", "register_magic", "remove", "save",
+           "save_solutions", "saved_components", "workspace_dir", "your_engine_so_far"]

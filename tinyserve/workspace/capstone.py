@@ -1,0 +1,138 @@
+"""The capstone of chapter 09: the reader's engine serves the real model, beside the package's.
+
+``capstone()`` builds the engine from every part the reader has saved (allocator, block manager,
+the scheduler's rounds, cache engine, attention, input builder, sampler; the package's for the
+parts not written) and runs SmolLM2 greedily on three workloads, each beside the package's own
+engine: s0/s1/s2 with swapping (the story's preemption), six prompts on a cache too small for
+them (preempted and recomputed) and s0/s1/s2 under the Orca policy. It prints
+the tokens side by side with a verdict per request and whose each part was, and returns a
+``Capstone``. With ``$TINYSERVE_CAPSTONE_RESULT`` set it also writes the result there as JSON:
+the book's tests run chapter 09 with the solutions saved as the reader's answers and check it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from tinyserve import presets
+from tinyserve.config import CacheConfig, SchedulerConfig
+from tinyserve.sim import Request
+from tinyserve.workspace.assemble import Report, build_engine
+from tinyserve.workspace.so_far import _engine_run, round_difference
+
+RESULT_ENV = "TINYSERVE_CAPSTONE_RESULT"
+
+# Six prompts whose prompts and outputs need about twice the 12 blocks of 4 tokens the cache
+# holds: the newest requests are preempted and recomputed before all of them finish.
+CROWD_PROMPTS = {
+    "c0": "The capital of France is",
+    "c1": "Once upon a time, there was a",
+    "c2": "In 1969, the first person to walk on the",
+    "c3": "The best way to learn to cook is",
+    "c4": "My favourite colour is",
+    "c5": "Water boils at a temperature of",
+}
+
+
+def crowd(max_tokens: int = 12) -> presets.Preset:
+    """The preempting workload: six prompts, 12 GPU blocks of 4 tokens, recompute."""
+    return presets.Preset(
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=40, max_num_seqs=6, max_model_len=40,
+                                         preemption_mode="recompute"),
+        cache_config=CacheConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=8, watermark=0.0),
+        # The simulator's view only (the engine runs the prompts): the lengths are the words'.
+        requests=[Request(rid, len(p.split()), max_tokens) for rid, p in CROWD_PROMPTS.items()],
+        prompts=dict(CROWD_PROMPTS),
+        max_tokens=max_tokens,
+    )
+
+
+def workloads() -> dict[str, presets.Preset]:
+    return {"s0/s1/s2, swap": presets.seed_rounds("swap"),
+            "six prompts, 12 blocks, recompute": crowd(),
+            "s0/s1/s2, Orca": presets.seed_rounds("swap", policy="orca")}
+
+
+@dataclass
+class Row:
+    """One request of one workload: both engines' tokens, and the text of the reader's."""
+
+    workload: str
+    request_id: str
+    yours: list[int]
+    packages: list[int]
+    text: str
+
+    @property
+    def same(self) -> bool:
+        return self.yours == self.packages
+
+
+@dataclass
+class Capstone:
+    ok: bool
+    report: Report
+    rows: list[Row] = field(default_factory=list)
+    preemptions: dict[str, int] = field(default_factory=dict)  # per workload, in the reader's run
+    problems: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"ok": self.ok, "yours": self.report.yours(), "report": dict(self.report),
+                "notes": self.report.notes, "preemptions": self.preemptions, "problems": self.problems,
+                "rows": [asdict(r) | {"same": r.same} for r in self.rows]}
+
+
+def _table(rows: list[Row]) -> str:
+    lines = [f"{'request':8} {'same':5} {'your tokens':44} text"]
+    for r in rows:
+        tokens = " ".join(map(str, r.yours))
+        lines.append(f"{r.request_id:8} {'✓' if r.same else '✗':5} {tokens[:44]:44} {r.text!r}")
+        if not r.same:
+            lines.append(f"{'':8} {'':5} package's: {' '.join(map(str, r.packages))}")
+    return "\n".join(lines)
+
+
+def capstone(model=None, *, quiet: bool = False) -> Capstone:
+    """Run the workloads through the reader's engine and the package's (see the module's
+    docstring); ``model`` as ``build_engine`` takes it (default SmolLM2, else the tiny Llama)."""
+    rows: list[Row] = []
+    problems: list[str] = []
+    preemptions: dict[str, int] = {}
+    report = Report()
+    for name, preset in workloads().items():
+        package_engine, _ = build_engine(model, preset=preset, chapter=0)
+        expected, package_rounds, _ = _engine_run(package_engine, preset)
+        try:
+            engine, report = build_engine(model, preset=preset)
+            got, rounds, error = _engine_run(engine, preset)
+        except Exception as e:  # a reader's part that fails to construct: report it, do not stop the chapter
+            got, rounds, error = {}, [], f"{type(e).__name__}: {e}"
+        if error:
+            problems.append(f"{name}: your engine raised {error} (after {len(rounds)} rounds)")
+        difference = round_difference(rounds, package_rounds)
+        if difference and not error:
+            problems.append(f"{name}: {difference}")
+        preemptions[name] = sum(len(r.preempted) for r in rounds)
+        tokenizer = package_engine.tokenizer
+        for rid, want in expected.items():
+            mine = got.get(rid, [])
+            rows.append(Row(name, rid, mine, want, tokenizer.decode(mine)))
+    ok = not problems and all(r.same for r in rows)
+    result = Capstone(ok, report, rows, preemptions, problems)
+    if not quiet:
+        print(report)
+        for name in workloads():
+            print(f"\n{name} ({preemptions[name]} preemptions in your run):")
+            print(_table([r for r in rows if r.workload == name]))
+        same = sum(r.same for r in rows)
+        verdict = "identical to the package's" if ok else "not identical"
+        print(f"\n{'✓' if ok else '✗'} {same} of {len(rows)} requests' tokens {verdict}")
+        for p in problems:
+            print(f"  {p}")
+    path = os.environ.get(RESULT_ENV)
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result.to_json(), f, indent=1)
+    return result
