@@ -53,7 +53,7 @@ def forbidden(chapter: int) -> re.Pattern | None:
 
 # A listing's first plain-text line (also the old format without the line range and stage).
 HEADER = re.compile(r"# [\w.<>]+  \(\S+:\d+(-\d+)?(, [^)]*)?\)")
-FOLD = re.compile(rf"\s*# {source.FOLD_MARK} chapter \d+: .+ \(\d+ lines?\)")
+FOLD = re.compile(rf"\s*# {source.FOLD_MARK} (chapter \d+: )?.+ \(\d+ lines?\)")
 
 
 # -- reading notebooks ------------------------------------------------------------------------
@@ -402,3 +402,78 @@ def test_committed_listings_are_fresh(path):
     problems = freshness_problems(path)
     assert not problems, (f"{path.name}'s committed listings are out of date (run `make book`):\n"
                           + "\n".join(problems))
+
+
+# -- listings read as the chapter (issue 22 §4) --------------------------------------------------
+
+# What a line of a chapter 02-10 listing may not do outside a fold line: the chapter's algorithm
+# reads without validation (checked at the boundary), compat rules (in their subclasses), hooks
+# (seams in constructors) and safety nets (in functions of their own), or with them folded.
+LISTING_RULES = {
+    "raises an exception": re.compile(r"^\s*raise\b"),
+    "branches on compat": re.compile(r"\b(if|elif|while)\b.*\bcompat\b|\bcompat\b.*\bif\b.*\belse\b"),
+    "calls a hook": re.compile(r"\bself\.can_admit\s*\("
+                               r"|\b(callback|cb)\s*\(self\b|\bself\._callbacks\b"),
+    "calls a safety net": re.compile(r"\b_(resolve_stuck_round|stand_in|unschedule|give_up)\s*\("),
+}
+RULED_CHAPTERS = [p for p in CHAPTERS if 2 <= chapter_number(p) <= 10]
+
+
+def rule_problems(where: str, view: SourceView) -> list[str]:
+    """The unfolded lines of a listing (its rows: line number, text, folded) that break a rule."""
+    problems = []
+    for n, line, folded in view.rows:
+        if folded or line.lstrip().startswith("#"):
+            continue
+        for rule, pattern in LISTING_RULES.items():
+            if pattern.search(line.split("  #", 1)[0]):
+                problems.append(f"{where}, {view._where_file()}:{n} {rule}: {line.strip()}")
+    return problems
+
+
+FOLDED_DEMO = '''\
+def admit(self, group):
+    # >>> fold: validation
+    if group.n < 1:
+        raise ValueError("n must be at least 1")
+    # <<<
+    # >>> chapter 05: vLLM v0.4 compat
+    if self.compat == "vllm-0.4":
+        self.sort()
+    # <<<
+    # >>> fold: the can_admit hook
+    if self.can_admit is not None and not self.can_admit(group, self.budget, self.manager):
+        return False
+    # <<<
+    self.waiting.remove(group)
+    self._resolve_stuck_round(group)
+    return True
+'''
+
+
+def test_the_listing_rule_finds_each_kind_of_line_and_folds_hide_them(tmp_path, monkeypatch):
+    path = tmp_path / "folded_demo.py"
+    path.write_text(FOLDED_DEMO)
+    spec = importlib.util.spec_from_file_location("folded_demo", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "folded_demo", module)
+    spec.loader.exec_module(module)
+    at_4, at_5, whole = (SourceView(module.admit, chapter=c) for c in (4, 5, None))
+    # Fold blocks fold in every chapter, with the line the issue asks for; chapter blocks open at their chapter.
+    assert "    # ⋯ validation (2 lines)" in at_4.code and "    # ⋯ the can_admit hook (2 lines)" in at_4.code
+    assert "# ⋯ chapter 5: vLLM v0.4 compat (2 lines)" in at_4.code and "sort()" in at_5.code
+    assert [p.split(" ", 2)[2] for p in rule_problems("demo", at_4)] == ["calls a safety net: "
+                                                                         "self._resolve_stuck_round(group)"]
+    assert {p.split(" ", 2)[2].split(":")[0] for p in rule_problems("demo", at_5)} == {
+        "branches on compat", "calls a safety net"}
+    found = {p.split(" ", 2)[2].split(":")[0] for p in rule_problems("demo", whole)}
+    assert found == set(LISTING_RULES), found  # unfolded, every kind of line is there
+
+
+@pytest.mark.parametrize("path", RULED_CHAPTERS, ids=[p.stem for p in RULED_CHAPTERS])
+def test_listings_read_as_the_chapter(path):
+    problems = [p for i, views in fresh_listings(path).items() for v in views if not isinstance(v, str)
+                for p in rule_problems(f"cell {i}: {v.name}", v)]
+    assert not problems, (f"{path.name}'s listings show lines that belong out of the algorithm's way: move "
+                          "them to the boundary, a subclass or a function of their own, or fold them "
+                          "(# >>> fold: what ... # <<<):\n" + "\n".join(problems))

@@ -42,10 +42,12 @@ class BlockAllocator:
     """
 
     def __init__(self, device: Device, block_size: int, num_blocks: int) -> None:
+        # >>> fold: validation
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        # <<<
         self.device = device
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -53,20 +55,24 @@ class BlockAllocator:
         self.free_blocks: deque[PhysicalTokenBlock] = deque(self.blocks)
 
     def allocate(self) -> PhysicalTokenBlock:
+        # >>> fold: none free: OutOfBlocksError
         if not self.free_blocks:
             raise OutOfBlocksError(
                 f"out of {self.device.name} blocks: all {self.num_blocks} blocks of {self.block_size} "
                 "tokens are in use"
             )
+        # <<<
         block = self.free_blocks.popleft()
         block.ref_count = 1
         return block
 
     def free(self, block: PhysicalTokenBlock) -> None:
+        # >>> fold: validation: the right device, no double free
         if block.device != self.device:
             raise ValueError(f"block {block.block_number} lives on {block.device.name}, not {self.device.name}")
         if block.ref_count == 0:
             raise ValueError(f"double free: {self.device.name} block {block.block_number} is already free")
+        # <<<
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free_blocks.append(block)
@@ -79,9 +85,11 @@ def slot_for(block_table: list[int], position: int, block_size: int) -> int:
     """The flat cache slot of the token at ``position``: its block's number times the block size
     plus its offset inside the block."""
     block_index, offset = divmod(position, block_size)
+    # >>> fold: validation
     if block_index >= len(block_table):
         raise IndexError(f"position {position} needs logical block {block_index}, "
                          f"but the block table has only {len(block_table)} blocks")
+    # <<<
     return block_table[block_index] * block_size + offset
 
 

@@ -85,12 +85,14 @@ class BlockSpaceManager:
         are refused: the scheduler swaps such groups instead.
         """
         waiting = seq_group.get_seqs(SequenceStatus.WAITING)
+        # >>> fold: validation: several samples that have generated cannot share a table
         if len(waiting) > 1 and any(s.get_output_len() > 0 for s in waiting):
             raise ValueError(
                 f"request {seq_group.request_id!r}: {len(waiting)} waiting sequences have already generated "
                 "tokens and cannot share one block table; a group with several sequences must be swapped, "
                 "not recomputed"
             )
+        # <<<
         table = self._prompt_blocks(waiting[0])
         for block in table:
             block.ref_count += len(waiting) - 1  # every waiting sequence owns each block
@@ -187,6 +189,7 @@ class BlockSpaceManager:
 
     def swap_out(self, seq_group: SequenceGroup) -> dict[int, int]:
         """Move the group's blocks GPU -> CPU. Returns {gpu block: cpu block}."""
+        # >>> fold: no room in swap space: OutOfBlocksError
         if not self.can_swap_out(seq_group):
             raise OutOfBlocksError(
                 f"out of CPU swap space: request {seq_group.request_id!r} needs "
@@ -194,6 +197,7 @@ class BlockSpaceManager:
                 f"{self.cpu_allocator.get_num_free_blocks()} of {self.num_total_cpu_blocks} are free; "
                 "raise num_cpu_blocks (swap space) or use preemption_mode='recompute'"
             )
+        # <<<
         return self._move(seq_group, SequenceStatus.RUNNING, self.cpu_allocator)
 
     def _move(self, seq_group: SequenceGroup, status: SequenceStatus, dst_alloc: BlockAllocator) -> dict[int, int]:

@@ -35,11 +35,13 @@ class CacheEngine:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
+        # >>> fold: validation: the pool must be sized
         if cache_config.num_gpu_blocks is None:
             raise ValueError(
                 "cache_config.num_gpu_blocks is None: size the pool first "
                 "(CacheEngine.num_blocks_for_budget or CacheEngine.profile_num_gpu_blocks)"
             )
+        # <<<
         self.block_size = cache_config.block_size
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -125,12 +127,14 @@ class CacheEngine:
         the device, per ``torch.cuda.mem_get_info``), minus ``activation_bytes`` kept free for
         the forward pass's peak activations.
         """
+        # >>> fold: validation: CUDA, a utilization in (0, 1]
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "profile_num_gpu_blocks needs CUDA; on the CPU pass num_gpu_blocks or use num_blocks_for_budget"
             )
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        # <<<
         free, total = torch.cuda.mem_get_info(device)
         budget = int(total * gpu_memory_utilization) - (total - free) - int(activation_bytes)
         return CacheEngine.num_blocks_for_budget(budget, block_size, num_layers, num_kv_heads, head_dim, dtype)
@@ -141,8 +145,10 @@ class CacheEngine:
         such request would wait forever."""
         tokens = num_gpu_blocks * block_size
         if tokens < max_model_len:
+            # >>> fold: ValueError: not even one full-length sequence fits
             raise ValueError(
                 f"The KV cache is too small: {num_gpu_blocks} blocks hold {tokens} tokens but "
                 f"max_model_len is {max_model_len}, so not even one full-length sequence fits. "
                 "Give the cache more blocks (num_gpu_blocks or memory) or lower max_model_len."
             )
+            # <<<

@@ -200,10 +200,12 @@ class LLMEngine:
         self.times.add(times)
         self.num_preemptions_total += len(out.preempted)
         self.num_generation_tokens_total += len(produced)
+        # >>> fold: the callbacks of observers
         if self._callbacks:
             event = StepEvent(out, finished, produced, outputs, times)
             for callback in list(self._callbacks):
                 callback(self, event)
+        # <<<
         return outputs
 
     def _sample_request(self, meta: SequenceGroupMetadata, seq: Sequence) -> SampleRequest:

@@ -72,27 +72,8 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in the prompts' order."""
-        prompts = [prompts] if isinstance(prompts, str) else prompts
-        if prompts is None and prompt_token_ids is None:
-            raise ValueError("generate needs prompts or prompt_token_ids")
-        if not _list_of(prompts, str):
-            raise ValueError(f"prompts must be a string or a list of strings, got {reprlib.repr(prompts)}")
-        if not _list_of(prompt_token_ids, (list, tuple)):
-            raise ValueError("prompt_token_ids must be a list with one list of token ids per prompt "
-                             f"(for one prompt: [ids]), got {reprlib.repr(prompt_token_ids)}")
-        n = len(prompts) if prompts is not None else len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("generate got an empty list of prompts")
-        if prompts is not None and prompt_token_ids is not None and len(prompt_token_ids) != n:
-            raise ValueError(f"{n} prompts but {len(prompt_token_ids)} prompt_token_ids")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
-        if len(params) != n:
-            raise ValueError(f"{n} prompts but {len(params)} SamplingParams")
-        if any(isinstance(p, SamplingParams) and p.output_kind == "delta" for p in params):
-            raise ValueError("output_kind='delta' is for callers of LLMEngine.step, who add the pieces up; "
-                             "generate returns each request's whole output")
+        prompts, prompt_token_ids, params = _generate_args(prompts, sampling_params, prompt_token_ids)
+        n = len(params)
         ids = []
         try:
             for i in range(n):
@@ -100,9 +81,11 @@ class LLM:
                 self.engine.add_request(rid, prompts[i] if prompts is not None else None, params[i],
                                         prompt_token_ids[i] if prompt_token_ids is not None else None)
                 ids.append(rid)
+        # >>> fold: all or nothing: a bad prompt leaves no half-batch behind
         except Exception:
-            self.engine.abort_request(ids)  # all or nothing: a bad prompt leaves no half-batch behind
+            self.engine.abort_request(ids)
             raise
+        # <<<
         return self._run(ids, use_tqdm if use_tqdm is not None else n > 16)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -120,3 +103,30 @@ class LLM:
         finally:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _generate_args(prompts, sampling_params, prompt_token_ids) -> tuple[list | None, list | None, list]:
+    """``generate``'s arguments checked, and as lists: the prompts (or None), the token ids (or
+    None) and one SamplingParams per prompt. A ValueError names what is wrong."""
+    prompts = [prompts] if isinstance(prompts, str) else prompts
+    if prompts is None and prompt_token_ids is None:
+        raise ValueError("generate needs prompts or prompt_token_ids")
+    if not _list_of(prompts, str):
+        raise ValueError(f"prompts must be a string or a list of strings, got {reprlib.repr(prompts)}")
+    if not _list_of(prompt_token_ids, (list, tuple)):
+        raise ValueError("prompt_token_ids must be a list with one list of token ids per prompt "
+                         f"(for one prompt: [ids]), got {reprlib.repr(prompt_token_ids)}")
+    n = len(prompts) if prompts is not None else len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("generate got an empty list of prompts")
+    if prompts is not None and prompt_token_ids is not None and len(prompt_token_ids) != n:
+        raise ValueError(f"{n} prompts but {len(prompt_token_ids)} prompt_token_ids")
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+    if len(params) != n:
+        raise ValueError(f"{n} prompts but {len(params)} SamplingParams")
+    if any(isinstance(p, SamplingParams) and p.output_kind == "delta" for p in params):
+        raise ValueError("output_kind='delta' is for callers of LLMEngine.step, who add the pieces up; "
+                         "generate returns each request's whole output")
+    return prompts, prompt_token_ids, params

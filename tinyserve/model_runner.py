@@ -76,12 +76,14 @@ def prepare_inputs(groups: list[SequenceGroupMetadata], block_size: int,
             table = meta.block_tables[seq_id]
             start = seq.num_computed_tokens
             end = start + meta.token_chunk_size
+            # >>> fold: validation: the chunk fits the sequence and its table
             if end > seq.get_len():
                 raise ValueError(f"request {meta.request_id!r}: chunk of {meta.token_chunk_size} tokens from "
                                  f"position {start} runs past the sequence's {seq.get_len()} tokens")
             if -(-end // block_size) > len(table):  # a clear error, not an IndexError below
                 raise ValueError(f"request {meta.request_id!r}: block table of {len(table)} blocks cannot hold "
                                  f"{end} tokens at block_size {block_size}")
+            # <<<
             if end - start == 1:
                 input_ids.append(seq.get_last_token_id() if end == seq.get_len() else seq.get_token_ids()[start])
             else:

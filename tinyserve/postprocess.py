@@ -51,7 +51,7 @@ class PostprocessMixin:
             stop_string_found or (not params.ignore_eos and last == eos_token_id) or last in params.stop_token_ids)
         max_len = self.scheduler_config.max_model_len
         capped = seq.get_output_len() >= params.max_tokens or seq.get_len() >= max_len
-        # >>> chapter 09: vLLM v0.4 compat
+        # >>> fold: vLLM v0.4 compat
         if self.scheduler_config.compat == "vllm-0.4":  # v0.4 lets a sequence reach max_model_len + 1
             capped = seq.get_output_len() >= params.max_tokens or seq.get_len() > max_len
             stopped = stopped and not capped  # ...and checks the caps before the stop conditions

@@ -79,11 +79,13 @@ class PreemptionMixin:
         if mode == PreemptionMode.SWAP and not self.block_manager.can_swap_out(group):
             # CPU swap space is full (or there is none). That must not fail every request in
             # flight: recompute the group if it can be, otherwise give up on this group alone.
+            # >>> fold: safety net: no group can be recomputed, give this one up
             if not self._recomputable(group):
                 # Only for lack of memory now (no group that could be recomputed was running):
                 # the same request may well run later.
                 self._give_up(group, out, refusals.cannot_preempt(group, self.block_manager), retryable=True)
                 return
+            # <<<
             mode = PreemptionMode.RECOMPUTE
         out.preempted.append(group.request_id)
         if mode == PreemptionMode.RECOMPUTE:
@@ -96,7 +98,7 @@ class PreemptionMixin:
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             seq.status = SequenceStatus.SWAPPED
         out.swapped_out.append(group.request_id)
-        # >>> chapter 05: vLLM v0.4 compat
+        # >>> fold: vLLM v0.4 compat
         if self.scheduler_config.compat == "vllm-0.4":
             # v0.4 appends, and sorts `swapped` by arrival before use: equal arrival times keep this order.
             self.swapped.append(group)

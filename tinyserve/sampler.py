@@ -105,8 +105,10 @@ class Sampler:
         A row that cannot be sampled (its probabilities are NaN or inf, say) comes back as the
         exception instead, so that only its own request fails; the other rows are unaffected.
         """
+        # >>> fold: validation: one row per request
         if len(requests) != logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(requests)} sample requests")
+        # <<<
         logits = self._adjust(logits, requests)
         results: list[list[int] | Exception | None] = [None] * len(requests)
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]

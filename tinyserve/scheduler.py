@@ -134,8 +134,10 @@ class Scheduler(SplitPrefillMixin, PreemptionMixin, RefusalMixin, PostprocessMix
 
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
         out = self._schedule_mixed() if self.mixes_phases else self._schedule_vllm()
+        # >>> fold: safety net: a round that schedules nobody
         if out.is_empty() and not (out.ignored_seq_groups or out.preempted) and self.has_unfinished_seqs():
             self._resolve_stuck_round(out)
+        # <<<
         return [self._metadata(s) for s in out.scheduled_seq_groups], out
 
     def _metadata(self, scheduled: ScheduledSequenceGroup) -> SequenceGroupMetadata:
@@ -159,7 +161,7 @@ class Scheduler(SplitPrefillMixin, PreemptionMixin, RefusalMixin, PostprocessMix
 
     def _schedule_vllm(self) -> SchedulerOutputs:
         out, budget = SchedulerOutputs(), self._new_budget()
-        # >>> chapter 05: vLLM v0.4 compat
+        # >>> fold: vLLM v0.4 compat
         if self.scheduler_config.compat == "vllm-0.4":
             self._sort_by_arrival()
         # <<<
@@ -223,8 +225,10 @@ class Scheduler(SplitPrefillMixin, PreemptionMixin, RefusalMixin, PostprocessMix
             num_new_seqs = group.get_max_num_running_seqs()
             if num_new_tokens <= 0 or not budget.can_schedule(num_new_tokens, num_new_seqs):
                 break
+            # >>> fold: the can_admit hook
             if self.can_admit is not None and not self.can_admit(group, budget, self.block_manager):
                 break
+            # <<<
             self.waiting.popleft()
             self.block_manager.allocate(group)
             for s in group.get_seqs(SequenceStatus.WAITING):
@@ -250,7 +254,7 @@ class Scheduler(SplitPrefillMixin, PreemptionMixin, RefusalMixin, PostprocessMix
             # <<<
             while not self.block_manager.can_append_slot(group):
                 victim = self.choose_victim([group, *remaining])  # by default the newest
-                # >>> chapter 05: a victim that cannot leave
+                # >>> fold: safety net: a victim that cannot leave
                 stand_in = self._stand_in(victim, [group, *remaining], kept)
                 if stand_in is not None and stand_in in kept:
                     self._unschedule(stand_in, kept, out, budget)
@@ -297,7 +301,7 @@ class Scheduler(SplitPrefillMixin, PreemptionMixin, RefusalMixin, PostprocessMix
                   num_new_tokens: int, is_prompt: bool) -> None:
         scheduled = ScheduledSequenceGroup(group, num_new_tokens, is_prompt)
         out.scheduled_seq_groups.append(scheduled)
-        # >>> chapter 05: vLLM v0.4 compat
+        # >>> fold: vLLM v0.4 compat
         if self.scheduler_config.compat == "vllm-0.4":
             # v0.4's SchedulerOutputs sorts its batch by (LoRA id, request id): without LoRA, by
             # request id as text ("r10" before "r9").

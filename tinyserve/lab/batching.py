@@ -24,8 +24,10 @@ def static_batching(requests: Sequence[Request], max_batch_size: int) -> list[Ro
     ``running`` lists every member of the batch in each of its rounds: one that has finished
     keeps its slot until the batch ends, in ``running`` but not in ``batch`` (an idle slot).
     Memory is not modelled (block fields are empty)."""
+    # >>> fold: validation
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    # <<<
     pending = sorted(requests, key=lambda r: r.arrival_round)
     waiting: list[Request] = []
     current: list[Request] = []

@@ -200,8 +200,10 @@ class LlamaForCausalLM(nn.Module):
         Stores every token's K/V into ``kv_caches`` (one ``(k_cache, v_cache)`` per layer) at
         ``meta.slot_mapping`` before attending, so a sequence's later steps can read it.
         """
+        # >>> fold: validation: one cache pair per layer
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} (k_cache, v_cache) pairs, got {len(kv_caches)}")
+        # <<<
         backend = self.backend
         cos, sin = self.rotary(positions)
         h = F.embedding(input_ids, self.embed_tokens)
@@ -221,8 +223,10 @@ class LlamaForCausalLM(nn.Module):
         used: set[str] = set()
 
         def take(name: str) -> torch.Tensor:
+            # >>> fold: ValueError: a missing weight
             if name not in weights:
                 raise ValueError(f"weight {name!r} is missing from the state dict")
+            # <<<
             used.add(name)
             return weights[name]
 
@@ -261,5 +265,7 @@ class LlamaForCausalLM(nn.Module):
             used.add("lm_head.weight")  # a tied checkpoint may still list it; it equals the embedding
 
         unexpected = sorted(k for k in weights if k not in used and "rotary_emb" not in k)
+        # >>> fold: ValueError: weights the model has no place for
         if unexpected:
             raise ValueError(f"unexpected weights in the state dict: {unexpected[:5]}")
+        # <<<

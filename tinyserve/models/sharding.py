@@ -44,24 +44,32 @@ def check_shardable(hf_config, tp_size: int) -> None:
     """Refuse a ``tp_size`` this model cannot be split into, naming the sizes that work."""
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if heads % kv_heads:
+        # >>> fold: ValueError: query heads in whole groups per KV head
         raise ValueError(f"num_attention_heads={heads} must be a multiple of num_key_value_heads={kv_heads}")
+        # <<<
     if not isinstance(tp_size, int) or tp_size < 1:
+        # >>> fold: ValueError: a positive size
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
+        # <<<
     if tp_size > kv_heads:
+        # >>> fold: ValueError: more ranks than KV heads, with the sizes that work
         raise ValueError(
             f"tensor_parallel_size={tp_size} is larger than the model's {kv_heads} KV heads. Each rank "
             "keeps the KV heads of its own query heads, and tinyserve does not replicate KV heads "
             f"across ranks, so at most {kv_heads} ranks can share this model; sizes that work: "
             f"{valid_tp_sizes(hf_config)}"
         )
+        # <<<
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(hf_config, name)
         if value % tp_size:
+            # >>> fold: ValueError: not divisible, with the sizes that work
             raise ValueError(
                 f"{name}={value} is not divisible by tensor_parallel_size={tp_size}: every rank must hold "
                 f"the same share of it. This model has {heads} heads and {kv_heads} KV heads; sizes that "
                 f"work: {valid_tp_sizes(hf_config)}"
             )
+            # <<<
 
 
 def shard_shapes(hf_config, tp_size: int) -> dict[str, tuple[int, ...]]:

@@ -60,13 +60,18 @@ def _check_sendable(attention_backend: BackendSpec) -> None:
     that cannot make the trip, before any process starts."""
     if isinstance(check_backend(attention_backend), str):
         return
-    if type(attention_backend).__module__ == "__main__":
-        raise ValueError("attention_backend: with tensor_parallel_size > 1 a backend object is sent to every "
+    _check_sendable_part("attention_backend", attention_backend)
+
+
+def _check_sendable_part(name: str, part) -> None:
+    kind = "a backend object" if name == "attention_backend" else f"{name}"
+    if (part.__module__ if isinstance(part, type) else type(part).__module__) == "__main__":
+        raise ValueError(f"{name}: with tensor_parallel_size > 1 {kind} is sent to every "
                          "rank, so its class must live in an importable module, not in __main__ or a notebook")
     try:
-        pickle.dumps(attention_backend)
+        pickle.dumps(part)
     except Exception as e:
-        raise ValueError(f"attention_backend: with tensor_parallel_size > 1 a backend object is sent to every "
+        raise ValueError(f"{name}: with tensor_parallel_size > 1 {kind} is sent to every "
                          f"rank and must be picklable ({e})") from None
 
 
@@ -163,12 +168,13 @@ class TensorParallelExecutor:
 
     ``loaded`` carries the tokenizer and config in the driver (``loaded.model`` is None: the
     weights live in the workers). ``rank_info`` says what each rank built (pid, device, heads,
-    KV heads, weight bytes).
+    KV heads, weight bytes). ``mlp``: a picklable factory every rank builds its layers' MLPs with
+    (``models.loader.use_mlp``; chapter 10 plugs in the reader's).
     """
 
     def __init__(self, model_config: ModelConfig, parallel_config: ParallelConfig,
                  attention_backend: BackendSpec = "auto", start_timeout_s: float = START_TIMEOUT_S,
-                 call_timeout_s: float = CALL_TIMEOUT_S) -> None:
+                 call_timeout_s: float = CALL_TIMEOUT_S, mlp=None) -> None:
         from transformers import AutoTokenizer
 
         self.tp_size = k = parallel_config.tensor_parallel_size
@@ -179,6 +185,8 @@ class TensorParallelExecutor:
         self._round_deadline = RoundDeadline(parallel_config.step_timeout_s, parallel_config.step_timeout_factor)
         # Everything that can be refused is refused here, before a single process starts.
         _check_sendable(attention_backend)
+        if mlp is not None:
+            _check_sendable_part("mlp", mlp)
         path = resolve_model_dir(model_config.model)
         hf_config = read_hf_config(path)
         check_shardable(hf_config, k)
@@ -204,7 +212,8 @@ class TensorParallelExecutor:
                     p = ctx.Process(target=worker_main, name=f"tinyserve-tp{rank}", daemon=True,
                                     args=(rank, k, port, model_config, self.device.type, self.dtype, path,
                                           hf_config.to_dict(), attention_backend, there, START_TIMEOUT_S,
-                                          threads, beats, beat_interval(parallel_config.heartbeat_timeout_s)))
+                                          threads, beats, beat_interval(parallel_config.heartbeat_timeout_s),
+                                          mlp))
                     self._workers.conns.append(here)
                     p.start()
                     self._workers.procs.append(p)
@@ -292,11 +301,13 @@ class TensorParallelExecutor:
             pending = [r for r in range(len(workers.procs)) if r not in answers]
             left = deadline - time.monotonic()
             if left <= 0:
+                # >>> fold: WorkerError: a rank did not answer in time
                 pids = [workers.procs[r].pid for r in pending]
                 alive = ", though they still beat: alive but stuck" if heartbeats is not None else ""
                 limit = " (the round deadline: see ParallelConfig.step_timeout_s)" if what == "execute_model" else ""
                 raise WorkerError(f"tensor-parallel workers {pending} (pids {pids}) did not answer {what!r} within "
                                   f"{timeout:.1f} s{alive}{limit}")
+                # <<<
             waitables = [workers.conns[r] for r in pending] + [workers.procs[r].sentinel for r in pending]
             ready = wait(waitables, timeout=left if heartbeats is None else min(left, heartbeats.poll_s))
             for r in pending:
@@ -310,7 +321,9 @@ class TensorParallelExecutor:
                         answers[r] = payload
                         continue
                     if status == "error":
+                        # >>> fold: WorkerError: the rank's own traceback
                         raise WorkerError(f"tensor-parallel worker rank {r} failed in {what!r}:\n{payload}")
+                        # <<<
                 elif proc.sentinel not in ready:
                     continue
                 self._raise_died(r, what)

@@ -133,7 +133,7 @@ class SourceView:
             if a <= blk.open_line and blk.close_line <= b:
                 inside[blk.open_line] = blk
             elif blk.open_line < a and blk.close_line > b:
-                if self._folds(blk):
+                if self._folds(blk) and not blk.fold:  # a listing of what a fold holds shows it
                     raise ValueError(f"{self.name} belongs to chapter {blk.chapter} ({blk.feature}); "
                                      f"a listing at chapter {self.chapter} cannot show it")
             else:
@@ -149,8 +149,8 @@ class SourceView:
             if blk is not None and self._folds(blk):
                 indent = blk.indent[strip:]
                 lines = "line" if blk.num_lines == 1 else "lines"
-                rows.append((n, f"{indent}# {FOLD_MARK} chapter {blk.chapter}: {blk.feature} "
-                                f"({blk.num_lines} {lines})", True))
+                what = blk.feature if blk.fold else f"chapter {blk.chapter}: {blk.feature}"
+                rows.append((n, f"{indent}# {FOLD_MARK} {what} ({blk.num_lines} {lines})", True))
                 n = blk.close_line + 1
                 continue
             if n not in marker_lines:
@@ -159,7 +159,8 @@ class SourceView:
         return rows
 
     def _folds(self, blk: Block) -> bool:
-        return self.chapter is not None and blk.chapter > self.chapter
+        # A fold block folds in every chapter; only the finished package (chapter None) shows it.
+        return self.chapter is not None and (blk.fold or blk.chapter > self.chapter)
 
     # -- output -------------------------------------------------------------------------------
     def _where_file(self) -> str:
