@@ -10,7 +10,9 @@ from tinyserve import LLM, SamplingParams
 from tinyserve.cache_engine import CacheEngine
 from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tinyserve.engine import LLMEngine
+from tinyserve.model_runner import prepare_inputs
 from tinyserve.sampler import Sampler
+from tinyserve.scheduler import Scheduler
 from tinyserve.worker import Worker
 
 
@@ -58,6 +60,8 @@ def test_a_worker_builds_its_cache_with_the_given_class(tiny_loaded):
 @pytest.mark.parametrize("kwargs,field", [
     (dict(cache_engine=5), "cache_engine"),
     (dict(sampler="top-p"), "sampler"),
+    (dict(scheduler="fcfs"), "scheduler"),
+    (dict(prepare_inputs=[]), "prepare_inputs"),
 ])
 def test_parts_that_cannot_be_called_are_refused(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -71,6 +75,43 @@ def test_a_cache_engine_the_engine_cannot_pass_on_is_refused(tiny_loaded):
     with pytest.raises(ValueError, match="cache_engine.*tensor_parallel_size=1"):
         LLMEngine(ModelConfig(device="cpu"), *configs(), ParallelConfig(tensor_parallel_size=2),
                   cache_engine=CountingCacheEngine)
+
+
+class CountingScheduler(Scheduler):
+    """The package's Scheduler, counting its rounds."""
+
+    rounds = 0
+
+    def schedule(self):
+        CountingScheduler.rounds += 1
+        return super().schedule()
+
+
+def test_llm_builds_its_scheduler_with_the_given_class_and_packs_with_the_given_function(tiny_model_dir):
+    packed = []
+
+    def counting_prepare_inputs(groups, block_size, device):
+        packed.append(sum(m.token_chunk_size * len(m.seq_data) for m in groups))
+        return prepare_inputs(groups, block_size, device)
+
+    prompts, params = ["Hello, my name is", "The life is"], SamplingParams(temperature=0.0, max_tokens=6)
+    kwargs = dict(device="cpu", block_size=2, num_gpu_blocks=16, num_cpu_blocks=4, max_model_len=18)
+    plain = LLM(str(tiny_model_dir), **kwargs).generate(prompts, params)
+    llm = LLM(str(tiny_model_dir), scheduler=CountingScheduler, prepare_inputs=counting_prepare_inputs, **kwargs)
+    assert type(llm.engine.scheduler) is CountingScheduler
+    # Built after the cache was sized: the block manager has the engine's blocks.
+    assert llm.engine.scheduler.block_manager.num_total_gpu_blocks == 16
+    before = CountingScheduler.rounds
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert CountingScheduler.rounds - before == len(packed) > 0  # one packed batch per round that ran
+    assert sum(packed) == sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
+
+
+def test_a_prepare_inputs_the_engine_cannot_pass_on_is_refused(tiny_loaded):
+    worker = Worker(ModelConfig(device="cpu"), attention_backend="torch", loaded=tiny_loaded)
+    with pytest.raises(ValueError, match="prepare_inputs is given to the Worker"):
+        LLMEngine(ModelConfig(device="cpu"), *configs(), executor=worker, prepare_inputs=prepare_inputs)
 
 
 def test_the_default_parts_stay_the_packages(tiny_loaded):

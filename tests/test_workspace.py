@@ -133,6 +133,47 @@ def test_a_cell_that_raises_or_a_bad_name_saves_nothing(shell, workspace):
     assert not (workspace / "victim.py").exists()
 
 
+def test_the_magic_saves_only_an_answer_that_passes_its_checker(shell, workspace, monkeypatch, capsys):
+    import dataclasses
+
+    verdicts = []
+
+    def check_newest(fn):  # a stand-in checker: the newest running group is the victim
+        verdicts.append(fn([1, 2, 3]) == 3)
+        return verdicts[-1]
+
+    import tinyserve.exercises.ch05 as ch05
+
+    monkeypatch.setattr(ch05, "check_newest_for_test", check_newest, raising=False)
+    victim = dataclasses.replace(ws.COMPONENTS["victim"], check="tinyserve.exercises.ch05:check_newest_for_test")
+    monkeypatch.setitem(ws.COMPONENTS, "victim", victim)
+    unwritten = "%%workspace victim 5\ndef choose_victim(running):\n    raise NotImplementedError\n"
+    assert shell.run_cell(unwritten).success  # a skeleton runs; the chapter goes on
+    assert not (workspace / "victim.py").exists() and "not saved" in capsys.readouterr().out
+    assert shell.run_cell("%%workspace victim 5\ndef choose_victim(running):\n    return running[0]\n").success
+    assert not (workspace / "victim.py").exists() and verdicts == [False]  # wrong: not saved either
+    assert shell.run_cell("%%workspace victim 5\ndef newest(running):\n    return running[-1]\n").success
+    assert (workspace / "victim.py").exists() and verdicts == [False, True]
+    assert shell.run_cell(unwritten).success  # a later wrong answer leaves the saved one in place
+    assert ws.load("victim")([1, 2, 3]) == 3
+
+
+def test_the_readers_rounds_are_the_engines_scheduler_joined_into_one_class(workspace):
+    from tinyserve.exercises.engine_runs import tiny
+
+    for name, method in (("scheduler_round", "_schedule_vllm"), ("orca_round", "_schedule_mixed")):
+        ws.save(name, f"class Mine(PackageScheduler):\n    calls = []\n\n    def {method}(self):\n"
+                      f"        Mine.calls.append({method!r})\n        return super().{method}()\n", quiet=True)
+    engine, report = ws.build_engine(tiny())
+    assert {"scheduler_round", "orca_round"} <= set(report.yours())
+    cls = type(engine.scheduler)
+    assert cls.__name__ == "YourScheduler" and [b.__module__ for b in cls.__bases__] == [
+        "_tinyserve_workspace.scheduler_round", "_tinyserve_workspace.orca_round"]
+    assert engine.scheduler.block_manager.num_total_gpu_blocks == engine.cache_config.num_gpu_blocks
+    v = ws.your_engine_so_far(9, model=tiny(), quiet=True)
+    assert v.ok, v.verdict
+
+
 def test_an_object_defined_in_a_cell_is_saved_from_the_cell(shell, workspace):
     # A notebook stores every cell in the history (In), which is where save finds it.
     assert shell.run_cell("class CellAllocator:\n    '''from a cell'''\n    pass\n", store_history=True).success

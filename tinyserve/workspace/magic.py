@@ -65,7 +65,13 @@ def passes(comp: Component, cell: str, namespace: dict) -> bool:
     if answer is None:
         print(f"✗ the cell defines no {comp.object} (the name your {comp.name} is loaded by)")
         return False
-    return checker_of(comp)(answer) is True
+    try:
+        return checker_of(comp)(answer) is True
+    except NotImplementedError:
+        print(f"✗ your {comp.name} is not written yet (NotImplementedError): fill in the cell and run it again")
+    except Exception as e:  # the reader's code raised where the checker did not expect it
+        print(f"✗ your {comp.name} raised {type(e).__name__}: {e}")
+    return False
 
 
 def register_magic(shell=None) -> None:
