@@ -196,32 +196,12 @@ MISTAKES.update({
 # -- chapter 03: the BlockSpaceManager ---------------------------------------------------------
 
 
-class _ExactManager(BlockSpaceManager):
-    """The chapter's own exact rule, not v0.4's."""
-
-
-class _CountsEverySample(BlockSpaceManager):
-    def can_append_slot(self, seq_group):
-        return len(seq_group.get_seqs()) <= self.get_num_free_gpu_blocks()   # finished samples too
-
-
-class _StrictlyMore(BlockSpaceManager):
-    def can_append_slot(self, seq_group):
-        return seq_group.num_seqs(SequenceStatus.RUNNING) < self.get_num_free_gpu_blocks()
-
-
-class _OneBlockPerGroup(BlockSpaceManager):
-    def can_append_slot(self, seq_group):
-        return self.get_num_free_gpu_blocks() >= 1
-
-
 MISTAKES.update({
     "check_group_blocks": [
         lambda p, n, t, bs: -(-p // bs) + n * (-(-(p + t) // bs) - -(-p // bs)),  # no copy-on-write
         lambda p, n, t, bs: n * -(-(p + t) // bs),                                  # nothing shared
         lambda p, n, t, bs: p // bs + n * (-(-(p + t + 1) // bs) - p // bs) if t else -(-p // bs),  # off by one
     ],
-    "check_conservative_manager": [_ExactManager, _CountsEverySample, _StrictlyMore, _OneBlockPerGroup],
 })
 
 # -- chapter 04: iteration-level scheduling ----------------------------------------------------
@@ -400,44 +380,10 @@ MISTAKES.update({
 # -- chapters 06-12 follow -----------------------------------------------------------------------
 
 import json  # noqa: E402
-import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
-from tinyserve.attention.triton_env import max_along, sum_along, tl, triton  # noqa: E402
-from tinyserve.cache_engine import CacheEngine  # noqa: E402
-from tinyserve.sampler import Sampler  # noqa: E402
-
 # -- chapter 06: the CacheEngine ---------------------------------------------------------------
-
-
-class _SwapKeysOnly(CacheEngine):  # forgets the values
-    def swap_out(self, src_to_dst):
-        for (gpu_k, _), (cpu_k, _) in zip(self.gpu_cache, self.cpu_cache):
-            for src, dst in src_to_dst.items():
-                cpu_k[dst] = gpu_k[src]
-
-
-class _SwapFirstLayerOnly(CacheEngine):  # stops after layer 0
-    def swap_out(self, src_to_dst):
-        for (gpu_k, gpu_v), (cpu_k, cpu_v) in zip(self.gpu_cache[:1], self.cpu_cache[:1]):
-            for src, dst in src_to_dst.items():
-                cpu_k[dst], cpu_v[dst] = gpu_k[src], gpu_v[src]
-
-
-class _SwapBackwards(CacheEngine):  # copies CPU -> GPU, as a swap-in does
-    def swap_out(self, src_to_dst):
-        for (gpu_k, gpu_v), (cpu_k, cpu_v) in zip(self.gpu_cache, self.cpu_cache):
-            for src, dst in src_to_dst.items():
-                gpu_k[src], gpu_v[src] = cpu_k[dst], cpu_v[dst]
-
-
-class _SwapSameNumbers(CacheEngine):  # writes each block to the CPU block of the same number
-    def swap_out(self, src_to_dst):
-        num_cpu = self.cpu_cache[0][0].shape[0]
-        for (gpu_k, gpu_v), (cpu_k, cpu_v) in zip(self.gpu_cache, self.cpu_cache):
-            for src in src_to_dst:
-                cpu_k[src % num_cpu], cpu_v[src % num_cpu] = gpu_k[src], gpu_v[src]
 
 
 def _block_bytes(bs, layers, heads, head_dim, b):
@@ -460,7 +406,6 @@ def _split_x_unravel(offset, bs, heads, head_dim, x, token_outside=False):
 
 
 MISTAKES.update({
-    "check_swap_out": [_SwapKeysOnly, _SwapFirstLayerOnly, _SwapBackwards, _SwapSameNumbers],
     "check_max_seqs_in_budget": [
         # Counts tokens, not blocks: a sequence's partly filled last block costs nothing.
         lambda m, n, bs, L, H, D, b: m // (n * _block_bytes(1, L, H, D, b)),
@@ -477,53 +422,6 @@ MISTAKES.update({
 # -- chapter 07: a Llama model on a paged cache -----------------------------------------------------
 
 
-class _DenseAttention:
-    """Gathers each sequence's context by slot, then attends; the subclasses below each slip once."""
-
-    scale_it = causal = True
-    round_robin = store_padding = False
-
-    def store_kv(self, key, value, k_cache, v_cache, slot_mapping):
-        flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
-        for t, slot in enumerate(slot_mapping.tolist()):
-            if slot >= 0 or self.store_padding:  # slot -1 would land in the last slot of the cache
-                flat_k[slot], flat_v[slot] = key[t], value[t]
-
-    def forward(self, q, k_cache, v_cache, meta, scale):
-        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
-        group = q.shape[1] // num_kv_heads
-        heads = [h % num_kv_heads if self.round_robin else h // group for h in range(q.shape[1])]
-        out, start = torch.empty_like(q), 0
-        for i, (n_q, n) in enumerate(zip(meta.query_lens, meta.context_lens_list)):
-            table = meta.block_tables[i].tolist()
-            slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
-            k, v = flat_k[slots][:, heads], flat_v[slots][:, heads]  # [n, num_heads, head_dim]
-            scores = torch.einsum("qhd,khd->hqk", q[start:start + n_q], k) * (scale if self.scale_it else 1.0)
-            if self.causal:
-                later = torch.arange(n)[None, :] > torch.arange(n - n_q, n)[:, None]
-                scores = scores.masked_fill(later, float("-inf"))
-            out[start:start + n_q] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-            start += n_q
-        return out
-
-
-class _NoScale(_DenseAttention):
-    scale_it = False
-
-
-class _NotCausal(_DenseAttention):  # a prefill's early tokens see later ones
-    causal = False
-
-
-class _RoundRobinHeads(_DenseAttention):  # query head h reads KV head h % num_kv_heads
-    round_robin = True
-
-
-class _StoresPadding(_DenseAttention):
-    store_padding = True
-
-
 def _rotary_pairs(x, positions, theta, halves=False):
     """Rotate channel pairs: (2i, 2i+1), or Llama's (i, i + head_dim/2) when ``halves``."""
     d = x.shape[-1]
@@ -538,7 +436,6 @@ def _rotary_pairs(x, positions, theta, halves=False):
 
 
 MISTAKES.update({
-    "check_paged_attention": [_NoScale, _NotCausal, _RoundRobinHeads, _StoresPadding],
     "check_rotary_interleaved": [
         functools.partial(_rotary_pairs, halves=True),              # Llama's pairing, not GPT-J's
         lambda x, p, th: _rotary_pairs(x, p + 1, th),               # positions counted from 1
@@ -547,120 +444,9 @@ MISTAKES.update({
 })
 
 # -- chapter 08: the Triton paged-attention kernel ---------------------------------------------------
-
-
-@triton.jit
-def _slipping_decode_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, scale,
-    stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_os, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    SLIP: tl.constexpr,
-):
-    """The chapter's skeleton, filled in with one slip: 1 never rescales the sums to a new max,
-    2 reads block t // BLOCK_SIZE of the pool instead of the sequence's table, 3 forgets to mask
-    the scores past the context (their zero keys still weigh exp(0 - max))."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
-    context_len = tl.load(context_lens_ptr + seq)
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * stride_qs + head * stride_qh + dims).to(tl.float32)
-    m_i = tl.full([1], float("-inf"), tl.float32)
-    l_i = tl.full([1], 0.0, tl.float32)
-    acc = tl.full([HEAD_DIM], 0.0, tl.float32)
-    table = block_tables_ptr + seq * stride_bt
-    for tile_start in range(0, context_len, TILE_N):
-        tokens = tile_start + tl.arange(0, TILE_N)
-        mask = tokens < context_len
-        if SLIP == 2:
-            blocks = (tokens // BLOCK_SIZE).to(tl.int64)
-        else:
-            blocks = tl.load(table + tokens // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
-        offsets = (blocks[:, None] * stride_kb + (tokens % BLOCK_SIZE)[:, None] * stride_ks + kv_head * stride_kh
-                   + dims[None, :])
-        k = tl.load(k_cache_ptr + offsets, mask=mask[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + offsets, mask=mask[:, None], other=0.0).to(tl.float32)
-        scores = sum_along(k * q[None, :], 1) * scale
-        if SLIP != 3:
-            scores = tl.where(mask, scores, float("-inf"))
-        m_new = tl.maximum(m_i, max_along(scores, 0))
-        alpha = tl.exp(m_i - m_new)
-        if SLIP == 1:
-            alpha = tl.full([1], 1.0, tl.float32)
-        p = tl.exp(scores - m_new)
-        l_i = l_i * alpha + sum_along(p, 0)
-        acc = acc * alpha + sum_along(p[:, None] * v, 0)
-        m_i = m_new
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, (acc / l_i).to(out_ptr.dtype.element_ty))
-
-
-def _slipping_decode(q, k_cache, v_cache, block_tables, context_lens, scale, slip):
-    out = torch.empty_like(q)
-    with warnings.catch_warnings():  # slip 2 reads the NaN of blocks no sequence owns: NumPy warns
-        warnings.simplefilter("ignore", RuntimeWarning)
-        _slipping_decode_kernel[(q.shape[0], q.shape[1])](
-            out, q, k_cache, v_cache, block_tables, context_lens, scale,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0), out.stride(0), out.stride(1),
-            GROUP=q.shape[1] // k_cache.shape[2], HEAD_DIM=q.shape[2], BLOCK_SIZE=k_cache.shape[1], TILE_N=16,
-            SLIP=slip)
-    return out
-
-
-MISTAKES.update({
-    "check_decode_kernel": [functools.partial(_slipping_decode, slip=s) for s in (1, 2, 3)],
-})
+# The decode kernel's wrong answers are in tests/mistakes_ch08.py.
 
 # -- chapter 09: the worker and the engine ------------------------------------------------------------
-
-
-class _SlippingNucleus(Sampler):
-    """Top-p by hand, with one slip per subclass."""
-
-    def cut(self, row, params):  # the probabilities the nucleus is cut on
-        return torch.softmax(row.double() / params.temperature, -1)
-
-    def keep(self, probs, top_p):
-        kept, mass = [], 0.0
-        for t in probs.argsort(descending=True).tolist():
-            if kept and mass >= top_p:
-                break
-            kept.append(t)
-            mass += float(probs[t])
-        return kept
-
-    def generator(self, request):
-        return request.generator or self.generator
-
-    def __call__(self, logits, requests):
-        out = []
-        for row, r in zip(logits, requests):
-            if r.params.greedy:
-                out.append([int(row.argmax())] * r.num_samples)
-                continue
-            probs = torch.softmax(row.double() / r.params.temperature, -1)
-            kept = self.keep(self.cut(row, r.params), r.params.top_p)
-            nucleus = torch.zeros_like(probs)
-            nucleus[kept] = probs[kept]
-            out.append(torch.multinomial((nucleus / nucleus.sum()).float(), r.num_samples, replacement=True,
-                                         generator=self.generator(r)).tolist())
-        return out
-
-
-class _NucleusShortOfP(_SlippingNucleus):  # stops before the token that reaches top_p
-    def keep(self, probs, top_p):
-        kept = super().keep(probs, top_p)
-        return kept[:-1] or kept
-
-
-class _NucleusBeforeTemperature(_SlippingNucleus):  # cuts the nucleus on the untempered probabilities
-    def cut(self, row, params):
-        return torch.softmax(row.double(), -1)
-
-
-class _NucleusSharedGenerator(_SlippingNucleus):  # ignores the request's own seed
-    def generator(self, request):
-        return self.generator
 
 
 def _apply_round_in_order(gpu, cpu, swap_out, swap_in, copy, writes, order):
@@ -683,7 +469,6 @@ def _apply_round_in_order(gpu, cpu, swap_out, swap_in, copy, writes, order):
 
 
 MISTAKES.update({
-    "check_nucleus_sampler": [_NucleusShortOfP, _NucleusBeforeTemperature, _NucleusSharedGenerator],
     "check_worker_order": [functools.partial(_apply_round_in_order, order=order) for order in (
         ("model", "out", "in", "copy"),   # the model writes into a block before it is saved
         ("in", "out", "copy", "model"),   # a swap-in overwrites a block before it is saved
@@ -692,32 +477,6 @@ MISTAKES.update({
 })
 
 # -- chapter 10: tensor parallelism -----------------------------------------------------------------
-
-
-class _ColumnSlice:  # cuts the output rows, as a column-parallel layer does
-    def __init__(self, weight, rank, tp_size):
-        per = weight.shape[0] // tp_size
-        self.weight = weight[rank * per:(rank + 1) * per]
-
-    def __call__(self, x_part):
-        return x_part @ self.weight[:, :x_part.shape[1]].T
-
-
-class _InterleavedColumns:  # rank r takes every tp_size-th input column
-    def __init__(self, weight, rank, tp_size):
-        self.weight = weight[:, rank::tp_size]
-
-    def __call__(self, x_part):
-        return x_part @ self.weight.T
-
-
-class _AveragedPartials:  # divides by tp_size, as if the all-reduce took a mean
-    def __init__(self, weight, rank, tp_size):
-        per = weight.shape[1] // tp_size
-        self.weight, self.tp_size = weight[:, rank * per:(rank + 1) * per], tp_size
-
-    def __call__(self, x_part):
-        return x_part @ self.weight.T / self.tp_size
 
 
 def _shapes_by_hand(cfg, k, kv_unsplit=False):
@@ -740,7 +499,6 @@ def _plan_gathering_after_column(kinds):  # gathers every column-parallel output
 
 
 MISTAKES.update({
-    "check_row_parallel": [_ColumnSlice, _InterleavedColumns, _AveragedPartials],
     "check_shard_shapes": [functools.partial(_shapes_by_hand, kv_unsplit=True)],  # KV heads not split
     "check_weight_bytes_per_rank": [functools.partial(_bytes_by_hand, split_embeddings=True)],  # embedding cut
     "check_communication": [

@@ -1,8 +1,40 @@
-"""Solutions to chapter 02's exercises: block counts, the slot mapping backwards, an allocator."""
+"""Solutions to chapter 02's exercises: the BlockAllocator, block counts, the slot mapping
+backwards, and an allocator that hands out the lowest number first."""
 
 import heapq
+from collections import deque
 
 from tinyserve.block import OutOfBlocksError, PhysicalTokenBlock
+
+
+class FreeListAllocator:
+    """One device's pool: a FIFO free list of blocks, and a reference count on each."""
+
+    def __init__(self, device, block_size, num_blocks):
+        self.device = device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.blocks = [PhysicalTokenBlock(device, i, block_size) for i in range(num_blocks)]
+        self.free_blocks = deque(self.blocks)     # the front goes out next: 0, 1, 2, ... on a fresh pool
+
+    def allocate(self):
+        if not self.free_blocks:
+            # Running out is the engine's state, not a bad argument: the scheduler should have asked first.
+            raise OutOfBlocksError(f"all {self.num_blocks} {self.device.name} blocks are in use")
+        block = self.free_blocks.popleft()
+        block.ref_count = 1                        # its first owner
+        return block
+
+    def free(self, block):
+        if block.ref_count == 0:
+            # Freeing twice would put the block on the list twice and hand it to two sequences.
+            raise ValueError(f"double free of {self.device.name} block {block.block_number}")
+        block.ref_count -= 1
+        if block.ref_count == 0:                   # the last owner let go
+            self.free_blocks.append(block)         # the back: memory freed now is reused last
+
+    def get_num_free_blocks(self):
+        return len(self.free_blocks)
 
 
 def num_blocks(num_tokens, block_size):

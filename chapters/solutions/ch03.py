@@ -1,7 +1,70 @@
-"""Solutions to chapter 03's exercises: copy-on-write counted, and v0.4's can_append_slot."""
+"""Solutions to chapter 03's exercises: the BlockSpaceManager's own methods, and copy-on-write counted."""
 
-from tinyserve.block_manager import BlockSpaceManager
+from tinyserve.block import Device
+from tinyserve.block_manager import AllocStatus, BlockSpaceManager
 from tinyserve.sequence import SequenceStatus
+
+
+class CopyOnWriteManager(BlockSpaceManager):
+    """The package's constructor, allocators and swapping; admission, growth, forks and frees written here."""
+
+    def can_allocate(self, seq_group):
+        seq = seq_group.get_seqs(SequenceStatus.WAITING)[0]
+        required = seq.n_blocks
+        total = self.num_total_gpu_blocks
+        free = self.gpu_allocator.get_num_free_blocks()
+        # A new prompt may never eat into the watermark; one preempted by recompute ran before
+        # and may have grown into it, so it only has to fit in the cache.
+        floor = self.watermark_blocks if seq.get_output_len() == 0 else 0
+        if total - required < floor:
+            return AllocStatus.NEVER
+        # The reserve protects running sequences; on an empty GPU there are none.
+        reserve = 0 if free == total else self.watermark_blocks
+        return AllocStatus.OK if free - required >= reserve else AllocStatus.LATER
+
+    def allocate(self, seq_group):
+        waiting = seq_group.get_seqs(SequenceStatus.WAITING)
+        table = [self.gpu_allocator.allocate() for _ in range(waiting[0].n_blocks)]
+        for block in table:
+            block.ref_count = len(waiting)         # every waiting sequence owns each block
+        for seq in waiting:
+            self.block_tables[seq.seq_id] = list(table)   # a list of its own: the tables diverge later
+
+    def needs_block(self, seq):
+        table = self.block_tables[seq.seq_id]
+        # A fresh block when the newest token starts a logical block; a copy when the last is shared.
+        return len(table) < seq.n_blocks or table[-1].ref_count > 1
+
+    def can_append_slot(self, seq_group):
+        running = seq_group.get_seqs(SequenceStatus.RUNNING)
+        return sum(self.needs_block(seq) for seq in running) <= self.gpu_allocator.get_num_free_blocks()
+
+    def append_slot(self, seq):
+        table = self.block_tables[seq.seq_id]
+        if len(table) < seq.n_blocks:              # the new token starts a logical block
+            table.append(self.gpu_allocator.allocate())
+            return None
+        last = table[-1]
+        if last.ref_count == 1:                    # this sequence's alone: write in place
+            return None
+        copy = self.gpu_allocator.allocate()       # shared: copy-on-write
+        table[-1] = copy
+        self.gpu_allocator.free(last)              # one owner fewer; the others keep it
+        return last.block_number, copy.block_number
+
+    def fork(self, parent, child):
+        table = self.block_tables[parent.seq_id]
+        self.block_tables[child.seq_id] = list(table)
+        for block in table:
+            block.ref_count += 1
+
+    def free(self, seq):
+        table = self.block_tables.pop(seq.seq_id, None)
+        if table is None:                          # freed already (finished, then aborted)
+            return
+        for block in table:                        # in table order, as the package frees them
+            # A swapped sequence's blocks are in CPU memory: each goes back to its own device's pool.
+            (self.gpu_allocator if block.device == Device.GPU else self.cpu_allocator).free(block)
 
 
 def group_blocks(prompt_len, n, num_tokens, block_size):
@@ -10,9 +73,3 @@ def group_blocks(prompt_len, n, num_tokens, block_size):
     shared = prompt_len // block_size                # full prompt blocks are never written again
     own = -(-(prompt_len + num_tokens) // block_size) - shared
     return shared + n * own                          # the partial last block was copied per sample
-
-
-class ConservativeManager(BlockSpaceManager):
-    def can_append_slot(self, seq_group):
-        # v0.4's heuristic: a block for every running sequence, whether it needs one or not.
-        return seq_group.num_seqs(SequenceStatus.RUNNING) <= self.get_num_free_gpu_blocks()

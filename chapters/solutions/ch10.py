@@ -2,16 +2,56 @@
 
 from __future__ import annotations
 
+import torch.nn.functional as F
+from torch import nn
 
-class RowParallelLinear:
-    """Rank ``rank``'s share of ``y = x W^T`` cut row-parallel: a block of W's input columns."""
 
-    def __init__(self, weight, rank, tp_size):
+class ColumnParallelLinear(nn.Module):
+    """Rank ``tp_rank``'s share of ``y = x W^T + b`` cut column-parallel: a block of W's output rows."""
+
+    def __init__(self, weight, bias, tp_rank, tp_size):
+        super().__init__()
+        per_rank = weight.shape[0] // tp_size
+        rows = slice(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+        # Copies, so the full matrices the shards were cut from can be freed.
+        self.weight = nn.Parameter(weight[rows].clone(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias[rows].clone(), requires_grad=False)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)  # this rank's slice of y: no communication
+
+
+class RowParallelLinear(nn.Module):
+    """Rank ``tp_rank``'s share of ``y = x W^T + b`` cut row-parallel: a block of W's input columns."""
+
+    def __init__(self, weight, bias, tp_rank, tp_size, all_reduce):
+        super().__init__()
         per_rank = weight.shape[1] // tp_size
-        self.weight = weight[:, rank * per_rank:(rank + 1) * per_rank]
+        cols = slice(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+        self.weight = nn.Parameter(weight[:, cols].clone(), requires_grad=False)
+        # The bias is whole on every rank, and added once, after the sum (not k times, before it).
+        self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
+        self.all_reduce = all_reduce
 
-    def __call__(self, x_part):
-        return x_part @ self.weight.T  # one term of the sum; the all-reduce adds the ranks' terms
+    def forward(self, x_part):
+        y = self.all_reduce(F.linear(x_part, self.weight))  # one term per rank, summed over the ranks
+        return y if self.bias is None else y + self.bias
+
+
+class ParallelMLP(nn.Module):
+    """Rank ``tp_rank``'s share of the SwiGLU MLP ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, gate_weight, up_weight, down_weight, tp_rank, tp_size, all_reduce,
+                 gate_bias=None, up_bias=None, down_bias=None):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(gate_weight, gate_bias, tp_rank, tp_size)
+        self.up_proj = ColumnParallelLinear(up_weight, up_bias, tp_rank, tp_size)
+        # The same block of the intermediate columns that gate and up produce on this rank.
+        self.down_proj = RowParallelLinear(down_weight, down_bias, tp_rank, tp_size, all_reduce)
+
+    def forward(self, x):
+        # silu(gate) * up is elementwise: each rank applies it to its own columns.
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def shard_shapes(cfg, k):

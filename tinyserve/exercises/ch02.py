@@ -1,9 +1,13 @@
 """Checkers for chapter 02: sequences, block tables, the slot mapping and the BlockAllocator.
 
-``check_allocator`` grades a whole allocator class the reader writes: first on scripts of
-allocate/share/free calls against a model of the rule kept here, then inside the real
-scheduler (``BlockSpaceManager(allocator=...)`` in ``Scheduler(block_manager=...)``) on s0/s1/s2
-and a small random workload, against the same scheduler run with the model allocator.
+``check_block_allocator`` grades the chapter's core component, the reader's BlockAllocator
+(a FIFO free list and reference counts): call by call on scripts of allocate, fork-like
+ref-count bumps and frees (double frees and empty pools included) against the package's
+``tinyserve.block.BlockAllocator``, naming the first call whose result, ref count, free count
+or free list differs; then inside the real scheduler (``BlockSpaceManager(allocator=...)`` in
+``Scheduler(block_manager=...)``) on s0/s1/s2 and a small random workload that swaps, block
+tables included. ``check_allocator`` grades a variant the same two ways, against a model of its
+rule (the lowest free number first).
 """
 
 from __future__ import annotations
@@ -11,13 +15,17 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from tinyserve.block import Device, OutOfBlocksError, PhysicalTokenBlock, slot_mapping
+from tinyserve.block import BlockAllocator, Device, OutOfBlocksError, PhysicalTokenBlock, slot_mapping
 from tinyserve.block_manager import BlockSpaceManager
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.exercises.sched_runs import SimWorkload, check_runs, scheduler_run, seed_workloads
-from tinyserve.exercises.verdict import checker, run_cases
+from tinyserve.exercises.verdict import checker, run_cases, verdict
 from tinyserve.sequence import Sequence
 from tinyserve.sim import Request, RoundRecord
+
+
+def _raised(e: Exception) -> str:
+    return f"raised {type(e).__name__}" + (f": {e}" if str(e) else "")
 
 
 @checker(chapter=2, answer="num_blocks")
@@ -73,7 +81,130 @@ def check_slot_owner(fn: Callable[[dict[str, list[int]], dict[str, int], int, in
                      or (got is not None and want is not None and tuple(got) == want))
 
 
-# -- the allocator ---------------------------------------------------------------------------------
+# -- the BlockAllocator, the chapter's component -------------------------------------------------
+
+def _block_script(rng: random.Random) -> tuple[int, list[str]]:
+    """A pool size and a script: mostly allocations and frees, some second owners (as a fork
+    makes), and now and then a double free or an allocation from an empty pool."""
+    num_blocks = rng.randint(1, 6)
+    ops = rng.choices(["allocate", "share", "free", "double free"], weights=[5, 2, 4, 1], k=rng.randint(4, 16))
+    return num_blocks, ops
+
+
+def _free_list(pool) -> str:
+    try:
+        return str([b.block_number for b in pool.free_blocks])
+    except Exception as e:  # the reader's class may lack the attribute, or hold something else there
+        return f"unreadable ({type(e).__name__}: {e})"
+
+
+def play_allocator(make: Callable, num_blocks: int, ops: list[str], block_size: int = 4) -> list[tuple[str, str]]:
+    """Play a script on ``make(Device.GPU, block_size, num_blocks)``: one ``(call, what it did)``
+    per call, what it did being the result (or the exception), the block's ref count, the free
+    count and the free list after it. A ``share`` gives the newest owned block a second owner,
+    as ``BlockSpaceManager.fork`` does; ``free`` frees the oldest owned block, ``double free``
+    a block that is already free. A step with no block to act on is skipped."""
+    try:
+        pool = make(Device.GPU, block_size, num_blocks)
+    except Exception as e:  # the reader's constructor
+        return [(f"{getattr(make, '__name__', 'cls')}(Device.GPU, {block_size}, {num_blocks})",
+                 _raised(e))]
+    held: list = []  # every block handed out so far, once each, oldest first
+    steps = []
+    for op in ops:
+        owned = [b for b in held if getattr(b, "ref_count", 0) > 0]
+        if op == "allocate":
+            call = "allocate()"
+        elif op == "share":
+            if not owned:
+                continue
+            block = owned[-1]
+            call = f"block {block.block_number}.ref_count += 1 (a second owner, as fork makes)"
+        else:
+            candidates = owned if op == "free" else [b for b in held if getattr(b, "ref_count", 1) == 0]
+            if not candidates:
+                continue
+            block = candidates[0]
+            call = f"free(block {block.block_number})" + (" again" if op == "double free" else "")
+        try:
+            if op == "allocate":
+                block = pool.allocate()
+                if not isinstance(block, PhysicalTokenBlock):
+                    steps.append((call, f"returned {block!r}, not a PhysicalTokenBlock"))
+                    break
+                if all(block is not b for b in held):
+                    held.append(block)
+                result = f"block {block.block_number}, ref_count {block.ref_count}"
+            elif op == "share":
+                block.ref_count += 1
+                result = f"ref_count {block.ref_count}"
+            else:
+                pool.free(block)
+                result = f"ref_count {block.ref_count}"
+        except OutOfBlocksError:
+            result = "OutOfBlocksError"
+        except ValueError:
+            result = "ValueError"
+        except Exception as e:  # the reader's code: any other error is what it did
+            result = _raised(e)
+        try:
+            free = pool.get_num_free_blocks()
+        except Exception as e:
+            free = f"get_num_free_blocks() raised {type(e).__name__}"
+        steps.append((call, f"{result}; {free} free, free list {_free_list(pool)}"))
+    return steps
+
+
+def allocator_difference(cls: Callable, num_blocks: int, ops: list[str]) -> str | None:
+    """Where ``cls`` first departs from the package's BlockAllocator on a script, or None."""
+    mine, want = play_allocator(cls, num_blocks, ops), play_allocator(BlockAllocator, num_blocks, ops)
+    if mine and mine[0][0].startswith(getattr(cls, "__name__", "cls") + "("):  # the constructor raised
+        return f"{mine[0][0]} {mine[0][1]}"
+    for k, ((call, got), (want_call, expected)) in enumerate(zip(mine, want)):
+        if call != want_call or got != expected:
+            calls = [c for c, _ in mine[:k]]
+            where = (f"a pool of {num_blocks} blocks, after {'..., ' if k > 4 else ''}{'; '.join(calls[-4:])}"
+                     if k else f"a fresh pool of {num_blocks} blocks")
+            if call != want_call:  # an earlier call left another block to act on
+                return f"{where}: the next call is {call} instead of {want_call} ({got})"
+            return f"{where}: {call} -> {got}, expected {expected}"
+    if len(mine) != len(want):
+        return f"a pool of {num_blocks} blocks, calls {ops}: {len(mine)} steps instead of {len(want)}"
+    return None
+
+
+@checker(chapter=2, answer="FreeListAllocator")
+def check_block_allocator(cls: Callable, num_cases: int = 120, seed: int = 0) -> bool:
+    """``cls(device, block_size, num_blocks)``: the chapter's BlockAllocator. ``blocks`` holds
+    every block by number; ``free_blocks`` is the free list, a FIFO queue (a fresh pool's holds
+    0, 1, 2, ... in order); ``allocate()`` takes the block at its front, gives it one owner
+    (ref_count 1) and returns it, or raises ``OutOfBlocksError`` when none is free;
+    ``free(block)`` drops one owner and puts the block at the back of the free list when none is
+    left, and raises ValueError on a block that is already free; ``get_num_free_blocks()``.
+    Graded call by call against ``tinyserve.block.BlockAllocator``, then as the allocator of the
+    real scheduler on s0/s1/s2 and a random workload that swaps, block tables included."""
+    rng = random.Random(seed)
+    scripts = [(2, ["allocate", "allocate", "allocate"]),  # an empty pool
+               (0, ["allocate"]),  # a pool of no blocks at all
+               (3, ["allocate", "free", "double free"]),  # a double free
+               (3, ["allocate", "allocate", "share", "free", "free", "free"]),  # two owners, then none
+               (4, ["allocate", "allocate", "allocate", "free", "free", "allocate", "allocate", "allocate"])]  # FIFO
+    while len(scripts) < num_cases:
+        scripts.append(_block_script(rng))
+    failures = []
+    for num_blocks, ops in scripts:
+        difference = allocator_difference(cls, num_blocks, ops)
+        if difference:
+            failures.append(difference)
+    name = getattr(cls, "__name__", "BlockAllocator")
+    script_ok = verdict(f"{name}, call by call beside the package's BlockAllocator", failures, len(scripts))
+    engine_ok = check_runs(f"{name} in the scheduler", allocator_workloads(),
+                           lambda *w: run_with_allocator(cls, *w), lambda *w: run_with_allocator(BlockAllocator, *w),
+                           tables=True)
+    return script_ok and engine_ok
+
+
+# -- a variant: the lowest number first ---------------------------------------------------------
 
 class _LowestFirstModel:
     """The rule, kept as plain data: which numbers are free, and each block's owners."""

@@ -1,9 +1,9 @@
 """Checkers for chapter 10, tensor parallelism.
 
-- ``check_row_parallel``: the reader's row-parallel linear layer. Its shards are compared with
-  the ones the package's sharded model really loads (``o_proj`` and ``down_proj`` of every rank
-  of a random Llama, built by ``models.loader.build_model`` with ``tp_rank``/``tp_size``), and
-  the sum of its ranks' partial outputs (what the all-reduce adds up) with the unsharded layer.
+- ``check_parallel_mlp``: the reader's tensor-parallel MLP (gate and up column-parallel, down
+  row-parallel with the all-reduce), sharded over 1, 2 and 4 ranks run as threads
+  (``lab.tp_mlp.ThreadGroup``), against the unsharded MLP on random weights and inputs: each
+  projection on each rank (naming the rank, the shard and the projection), then the forward pass.
 - ``check_shard_shapes``: the shapes of one rank's q/k/v, o, gate/up and down matrices, against
   ``parallel.shard_shapes`` (which the tests hold to the real sharded model's parameters).
 - ``check_weight_bytes_per_rank``: the bytes of weights one rank holds, against
@@ -20,108 +20,175 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
 from tinyserve.exercises.verdict import checker, run_cases, verdict
-from tinyserve.models.loader import build_model, random_state_dict
+from tinyserve.lab.tp_mlp import ThreadGroup
+from tinyserve.models.sharding import column_shard, row_shard
 from tinyserve.parallel import shard_shapes, weight_bytes_per_rank
 
 SPLIT_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 KINDS = ("column", "row", "replicated")
 
-# -- a row-parallel linear, against the package's real shards ---------------------------------------
+# -- the reader's tensor-parallel MLP, rank by rank, against the unsharded one ------------------------
+
+# (hidden, intermediate, tokens, biases): small shapes whose intermediate splits 1, 2 and 4 ways.
+MLP_SHAPES = ((8, 16, 3, False), (12, 24, 5, True), (16, 32, 1, False), (24, 48, 7, True))
+MLP_TP_SIZES = (1, 2, 4)
+PROJECTIONS = {"gate_proj": "column", "up_proj": "column", "down_proj": "row"}
 
 
-def _sharded_models(rng: random.Random, seed: int):
-    """A random one-layer Llama, whole and cut into k ranks, and k."""
-    from transformers import LlamaConfig
+def _mlp_case(hidden: int, inter: int, tokens: int, biases: bool, gen: torch.Generator) -> dict:
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32)
 
-    kv_heads = rng.choice([2, 4])
-    k = rng.choice([d for d in (2, 4) if kv_heads % d == 0])
-    heads = kv_heads * rng.choice([1, 2])
-    head_dim = rng.choice([8, 16])
-    config = LlamaConfig(vocab_size=32, hidden_size=heads * head_dim, intermediate_size=k * rng.choice([8, 24]),
-                         num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         head_dim=head_dim, max_position_embeddings=64, tie_word_embeddings=True)
-    state = random_state_dict(config, seed)
-    whole = build_model(config, state, dtype=torch.float32, attention_backend="torch")
-    ranks = [build_model(config, state, dtype=torch.float32, tp_rank=r, tp_size=k, all_reduce=lambda x: x,
-                         attention_backend="torch") for r in range(k)]
-    return whole, ranks, k
+    case = {"gate": randn(inter, hidden), "up": randn(inter, hidden), "down": randn(hidden, inter) / inter**0.5,
+            "x": randn(tokens, hidden)}
+    case.update({"gate_bias": randn(inter), "up_bias": randn(inter), "down_bias": randn(hidden)} if biases
+                else {"gate_bias": None, "up_bias": None, "down_bias": None})
+    return case
 
 
-def _row_parallel_layers(model) -> dict:
-    layer = model.layers[0]
-    return {"o_proj": layer.self_attn.o_proj.weight, "down_proj": layer.mlp.down_proj.weight}
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
 
 
-@checker(chapter=10, answer="RowParallelLinear")
-def check_row_parallel(cls: type, num_cases: int = 6, seed: int = 0) -> bool:
-    """``cls(weight, rank, tp_size)`` is rank ``rank``'s share of the linear layer ``y = x W^T``
-    (``weight [out_features, in_features]``) cut row-parallel: ``.weight`` holds the block of input
-    columns this rank keeps, and ``layer(x_part)``, on this rank's slice of the input features
-    ``[tokens, in_features / tp_size]``, returns its partial output ``[tokens, out_features]``.
-    The partial outputs of all ranks add up (the all-reduce) to ``x W^T``."""
-    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
-    failures, num_checks = [], 0
-    for case in range(num_cases):
-        whole, ranks, k = _sharded_models(rng, seed * 100 + case)
-        for name, weight in _row_parallel_layers(whole).items():
-            num_checks += 1
-            per = weight.shape[1] // k
-            x = torch.randn(rng.randint(1, 5), weight.shape[1], generator=gen)
-            shown = f"{name} {tuple(weight.shape)} on {k} ranks"
+def mlp_reference(case: dict) -> torch.Tensor:
+    """The unsharded SwiGLU MLP: ``down(silu(gate(x)) * up(x))``, in float64."""
+    d = {k: None if v is None else v.double() for k, v in case.items()}
+    h = F.silu(_linear(d["x"], d["gate"], d["gate_bias"])) * _linear(d["x"], d["up"], d["up_bias"])
+    return _linear(h, d["down"], d["down_bias"])
+
+
+def _expected_parts(case: dict, rank: int, k: int) -> dict:
+    """What rank ``rank`` of ``k`` must compute, in float64: its gate and up outputs (its block of
+    the intermediate columns), and its slice of ``h`` that ``down_proj`` takes."""
+    d = {name: None if v is None else v.double() for name, v in case.items()}
+    gate = _linear(d["x"], column_shard(d["gate"], rank, k),
+                   None if d["gate_bias"] is None else column_shard(d["gate_bias"], rank, k))
+    up = _linear(d["x"], column_shard(d["up"], rank, k),
+                 None if d["up_bias"] is None else column_shard(d["up_bias"], rank, k))
+    return {"gate_proj": gate, "up_proj": up, "h": F.silu(gate) * up}
+
+
+def _close(got, want: torch.Tensor) -> bool:
+    return (isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(want.shape)
+            and torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4))
+
+
+def _shape(t) -> str:
+    return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _row_diagnosis(got: torch.Tensor, case: dict, h_r: torch.Tensor, rank: int, k: int) -> str:
+    """Why a rank's down_proj output is wrong, where it matches a known slip."""
+    partial = h_r @ row_shard(case["down"].double(), rank, k).T
+    bias = case["down_bias"]
+    if _close(got, partial) or (bias is not None and _close(got, partial + bias.double())):
+        return ": it is this rank's partial sum alone (the all-reduce is missing, or its result is not used)"
+    if bias is not None:
+        total = mlp_reference(case) - bias.double()
+        if _close(got, total + k * bias.double()):
+            return f": the bias is counted {k} times (added on every rank before the all-reduce, not once after)"
+        if _close(got, total):
+            return ": the bias is missing"
+    return ""
+
+
+def _check_one(cls, case: dict, k: int, shown: str) -> list[str]:
+    """Every rank's MLP of ``k``: each projection alone, then the whole forward pass."""
+    inter, hidden = case["gate"].shape
+    per = inter // k
+    group = ThreadGroup(k)
+    try:
+        mlps = [cls(case["gate"].clone(), case["up"].clone(), case["down"].clone(), r, k, group.all_reduce_for(r),
+                    **{name: None if case[name] is None else case[name].clone()
+                       for name in ("gate_bias", "up_bias", "down_bias")}) for r in range(k)]
+    except Exception as e:  # the reader's code: any error is a failed case
+        return [f"{shown}: ParallelMLP(...) raised {type(e).__name__}: {e}"]
+    if not isinstance(mlps[0], torch.nn.Module):
+        return [f"{shown}: ParallelMLP must be a torch.nn.Module (each decoder layer holds it as its mlp)"]
+    for name in PROJECTIONS:
+        if not callable(getattr(mlps[0], name, None)):
+            return [f"{shown}: ParallelMLP has no {name} "
+                    f"(the {PROJECTIONS[name]}-parallel linear of {name[:-5]}_weight)"]
+    parts = [_expected_parts(case, r, k) for r in range(k)]
+    failures = []
+    # 1. gate_proj and up_proj: column-parallel, no communication, one rank at a time.
+    for r, mlp in enumerate(mlps):
+        for name in ("gate_proj", "up_proj"):
+            want = parts[r][name]
             try:
-                layers = [cls(weight.clone(), r, k) for r in range(k)]
-                partials = [layer(x[:, r * per:(r + 1) * per]) for r, layer in enumerate(layers)]
-            except Exception as e:  # the reader's code: any error is a failed case
-                failures.append(f"{shown}: raised {type(e).__name__}: {e}")
+                with torch.no_grad():
+                    got = getattr(mlp, name)(case["x"].clone())
+            except Exception as e:
+                failures.append(f"{shown}: rank {r}'s {name}(x) raised {type(e).__name__}: {e}")
                 continue
-            wrong = [r for r, (layer, model) in enumerate(zip(layers, ranks))
-                     if not (isinstance(getattr(layer, "weight", None), torch.Tensor)
-                             and torch.equal(layer.weight, _row_parallel_layers(model)[name]))]
-            if wrong:
-                failures.append(f"{shown}: the .weight of ranks {wrong} is not the shard the package's rank loads")
-                continue
-            total = sum(p.double() for p in partials)
-            want = x.double() @ weight.double().T
-            if not (total.shape == want.shape and torch.allclose(total, want, atol=1e-4, rtol=1e-4)):
-                failures.append(f"{shown}: the partial outputs do not add up to x W^T")
-    return verdict("row_parallel", failures, num_checks)
+            if not _close(got, want):
+                weight = getattr(getattr(mlp, name), "weight", None)
+                held = f"; its .weight is {_shape(weight)}" if isinstance(weight, torch.Tensor) else ""
+                differ = ", values differ" if _shape(got) == _shape(want) else ""
+                failures.append(f"{shown}: rank {r}'s {name}(x) is {_shape(got)}{differ}, expected "
+                                f"{tuple(want.shape)}: x times rows {r * per}:{(r + 1) * per} of {name[:-5]}_weight "
+                                f"(shard ({per}, {hidden})){held}")
+    if failures:
+        return failures
+    # 2. down_proj: row-parallel, on every rank at once (it all-reduces).
+    want = mlp_reference(case)
+    try:
+        with torch.no_grad():
+            outs = group.run(lambda r, _: mlps[r].down_proj(parts[r]["h"].float()))
+    except Exception as e:
+        return [f"{shown}: down_proj(h_part) failed on {e}"]
+    for r, got in enumerate(outs):
+        if not _close(got, want):
+            why = _row_diagnosis(got, case, parts[r]["h"], r, k) if _shape(got) == _shape(want) else ""
+            differ = ", values differ" if _shape(got) == _shape(want) else ""
+            failures.append(f"{shown}: rank {r}'s down_proj(h_part) is {_shape(got)}{differ}, expected "
+                            f"{tuple(want.shape)} (h_part {(case['x'].shape[0], per)} times columns "
+                            f"{r * per}:{(r + 1) * per} of down_weight (shard ({hidden}, {per})), "
+                            f"summed over the ranks){why}")
+    if failures:
+        return failures
+    # 3. The whole forward pass, every rank with the whole x, exactly one all-reduce each.
+    before = list(group.calls)
+    try:
+        with torch.no_grad():
+            outs = group.run(lambda r, _: mlps[r](case["x"].clone()))
+    except Exception as e:
+        return [f"{shown}: forward(x) failed on {e}"]
+    for r, got in enumerate(outs):
+        if not _close(got, want):
+            differ = ", values differ" if _shape(got) == _shape(want) else ""
+            failures.append(f"{shown}: rank {r}'s forward(x) is {_shape(got)}{differ}, expected {tuple(want.shape)} "
+                            "(down_proj(silu(gate_proj(x)) * up_proj(x)), as the unsharded MLP)")
+    calls = [after - b for after, b in zip(group.calls, before)]
+    if not failures and k > 1 and any(c != 1 for c in calls):
+        failures.append(f"{shown}: forward(x) made {calls} all-reduces on the ranks, expected one each")
+    return failures
 
 
-def row_parallel_side_by_side(cls: type, hf_config, tp_size: int = 2, seed: int = 0, tokens: int = 5) -> bool:
-    """Cut ``down_proj`` of a random one-layer model of ``hf_config``'s shape with ``cls``, rank by
-    rank, next to the package's ranks: their shards, their partial outputs, and the all-reduced
-    sum against the unsharded layer. Prints the comparison and returns True when all agree."""
-    state = random_state_dict(hf_config, seed)
-    whole = build_model(hf_config, state, dtype=torch.float32, attention_backend="torch")
-    weight = whole.layers[0].mlp.down_proj.weight
-    per = weight.shape[1] // tp_size
-    x = torch.randn(tokens, weight.shape[1], generator=torch.Generator().manual_seed(seed))
-    ok, total = True, torch.zeros(tokens, weight.shape[0], dtype=torch.float64)
-    for r in range(tp_size):
-        theirs = build_model(hf_config, state, dtype=torch.float32, tp_rank=r, tp_size=tp_size,
-                             all_reduce=lambda t: t, attention_backend="torch").layers[0].mlp.down_proj
-        x_part = x[:, r * per:(r + 1) * per]
-        try:
-            yours = cls(weight, r, tp_size)
-            with torch.no_grad():
-                mine, pkg = yours(x_part), theirs(x_part)
-            same_shard = torch.equal(yours.weight, theirs.weight)
-            diff = (mine - pkg).abs().max().item()
-        except Exception as e:  # the reader's code: show the error in place of the numbers
-            print(f"rank {r}: raised {type(e).__name__}: {e}")
-            ok = False
-            continue
-        print(f"rank {r}: your shard {tuple(yours.weight.shape)} {'==' if same_shard else '!='} the package's "
-              f"{tuple(theirs.weight.shape)}; largest |your partial - its partial| {diff:.1e}")
-        ok = ok and same_shard and diff < 1e-5
-        total += mine.double()
-    worst = (total - x.double() @ weight.double().T).abs().max().item()
-    print(f"the all-reduce of your partials vs the whole layer: largest |difference| {worst:.1e}")
-    ok = ok and worst < 1e-4
-    print("✓ your row-parallel layer splits and sums as the package's ranks do" if ok else "✗ they differ")
-    return ok
+@checker(chapter=10, answer="ParallelMLP")
+def check_parallel_mlp(cls: type, seed: int = 0) -> bool:
+    """``cls(gate_weight, up_weight, down_weight, tp_rank, tp_size, all_reduce, gate_bias=None,
+    up_bias=None, down_bias=None)`` is rank ``tp_rank``'s share of a SwiGLU MLP, built from the full
+    weights (``[intermediate, hidden]``, ``[intermediate, hidden]``, ``[hidden, intermediate]``).
+    Its ``gate_proj`` and ``up_proj`` are column-parallel (this rank's block of output rows: ``x
+    [tokens, hidden]`` -> ``[tokens, intermediate / tp_size]``), its ``down_proj`` row-parallel (the
+    matching block of input columns, the partial sums all-reduced, the bias added once), and
+    ``forward(x)`` returns the whole MLP's output on every rank. Each case runs ``tp_size`` ranks as
+    threads with an ``all_reduce`` that sums over them, and compares each projection on each rank,
+    then the forward pass, with the unsharded MLP (float32, up to rounding)."""
+    gen = torch.Generator().manual_seed(seed)
+    failures, num_checks = [], 0
+    for hidden, inter, tokens, biases in MLP_SHAPES:
+        case = _mlp_case(hidden, inter, tokens, biases, gen)
+        for k in MLP_TP_SIZES:
+            num_checks += 1
+            shown = (f"hidden={hidden}, intermediate={inter}, {tokens} tokens, "
+                     f"{'with' if biases else 'no'} biases, tp_size={k}")
+            failures += _check_one(cls, case, k, shown)[:1]
+    return verdict("parallel_mlp", failures, num_checks)
 
 
 # -- the arithmetic of the split -----------------------------------------------------------------------

@@ -24,7 +24,7 @@ from tinyserve.models.llama import LlamaForCausalLM
 
 __all__ = ["DEFAULT_MODEL", "LoadedModel", "build_model", "check_architecture", "check_max_model_len",
            "load_model", "max_model_len_for", "random_model", "random_state_dict", "read_hf_config",
-           "read_state_dict", "resolve_model_dir", "smollm2_135m_config"]
+           "read_state_dict", "resolve_model_dir", "smollm2_135m_config", "use_mlp"]
 
 
 @dataclass
@@ -113,16 +113,40 @@ def max_model_len_for(model_config: ModelConfig) -> int:
 def build_model(hf_config, state_dict: dict[str, torch.Tensor], device: torch.device | str = "cpu",
                 dtype: torch.dtype | str = "auto", tp_rank: int = 0, tp_size: int = 1, all_reduce=None,
                 attention_backend: BackendSpec = "auto",
-                model_class: type[LlamaForCausalLM] = LlamaForCausalLM) -> LlamaForCausalLM:
+                model_class: type[LlamaForCausalLM] = LlamaForCausalLM, mlp=None) -> LlamaForCausalLM:
     """Rank ``tp_rank``'s shard of ``hf_config``'s model on ``device``, in ``dtype``, with the
-    weights of the full Hugging Face-named ``state_dict``, ready to run (eval, no grad)."""
+    weights of the full Hugging Face-named ``state_dict``, ready to run (eval, no grad).
+    ``mlp``: build every layer's MLP with it instead (see ``use_mlp``)."""
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     with torch.device(device):  # parameters are created in place, not on the CPU and then moved
         model = model_class(hf_config, tp_rank, tp_size, all_reduce, attention_backend)
     model.to(dtype)
     model.load_weights(state_dict)
+    if mlp is not None:
+        use_mlp(model, state_dict, mlp)
     return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def use_mlp(model: LlamaForCausalLM, state_dict: dict[str, torch.Tensor], mlp) -> None:
+    """The hook for one's own tensor-parallel MLP (chapter 10): every layer's ``mlp`` becomes
+    ``mlp(gate_weight, up_weight, down_weight, tp_rank, tp_size, all_reduce, gate_bias=,
+    up_bias=, down_bias=)``, an ``nn.Module`` built from the *full* weights of ``state_dict`` (on
+    the model's device and dtype; biases None without ``mlp_bias``) that keeps this rank's shard.
+    Its ``all_reduce(t)`` returns the sum of ``t`` over the ranks (``t`` itself when there is one)."""
+    weights = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in state_dict.items()}
+    like = model.embed_tokens
+
+    def full(name: str) -> torch.Tensor | None:
+        w = weights.get(name)
+        return None if w is None else w.to(device=like.device, dtype=like.dtype)
+
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}.mlp."
+        layer.mlp = mlp(full(p + "gate_proj.weight"), full(p + "up_proj.weight"), full(p + "down_proj.weight"),
+                        model.tp_rank, model.tp_size, model._reduce, gate_bias=full(p + "gate_proj.bias"),
+                        up_bias=full(p + "up_proj.bias"), down_bias=full(p + "down_proj.bias"))
 
 
 def load_model(model: str | os.PathLike = DEFAULT_MODEL, device: torch.device | str = "cpu",

@@ -41,13 +41,15 @@ class ShardWithoutHead(LlamaForCausalLM):
 
 def worker_main(rank: int, size: int, port: int, model_config: ModelConfig, device_type: str,
                 dtype: torch.dtype, path, config_fields: dict, attention_backend: BackendSpec,
-                conn: Connection, start_timeout_s: float, num_threads: int, beats, beat_interval_s: float) -> None:
+                conn: Connection, start_timeout_s: float, num_threads: int, beats, beat_interval_s: float,
+                mlp=None) -> None:
     """Body of one worker process: join the group, build the shard, then serve the driver's calls.
 
     The driver resolved device and dtype once; the model config comes as plain fields (importing
     transformers would add seconds to every worker's start) and the tokenizer stays with the
     driver, the only process that encodes or decodes text. ``beats`` is the shared array of
-    heartbeat counts; this rank counts up ``beats[rank]`` every ``beat_interval_s``."""
+    heartbeat counts; this rank counts up ``beats[rank]`` every ``beat_interval_s``. ``mlp``, if
+    given, builds every layer's MLP (``models.loader.use_mlp``)."""
     # Ctrl-C in a terminal reaches the whole process group. The driver alone decides when the
     # workers stop; a worker interrupted halfway through a collective would hang its peers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -72,7 +74,7 @@ def worker_main(rank: int, size: int, port: int, model_config: ModelConfig, devi
 
         config = types.SimpleNamespace(**config_fields)
         model = build_model(config, read_state_dict(path), device, dtype, rank, size, all_reduce, attention_backend,
-                            model_class=LlamaForCausalLM if rank == 0 else ShardWithoutHead)
+                            model_class=LlamaForCausalLM if rank == 0 else ShardWithoutHead, mlp=mlp)
         loaded = LoadedModel(model=model, tokenizer=None, hf_config=config, path=path)
         model_config = replace(model_config, device=str(device), dtype=dtype_name(dtype))
         worker = Worker(model_config, attention_backend, tp_rank=rank, tp_size=size, all_reduce=all_reduce,

@@ -45,40 +45,60 @@ class Component:
 COMPONENTS: dict[str, Component] = {c.name: c for c in [
     Component("allocator", "allocator.py", "BlockAllocator", 2, "BlockSpaceManager(allocator=)",
               "from collections import deque\n"
-              "from tinyserve.block import Device, OutOfBlocksError, PhysicalTokenBlock"),
+              "from tinyserve.block import Device, OutOfBlocksError, PhysicalTokenBlock",
+              check="tinyserve.exercises.ch02:check_block_allocator", answer="FreeListAllocator"),
     Component("block_manager", "block_manager.py", "BlockSpaceManager", 3, "Scheduler(block_manager=)",
               "from collections import deque\n"
               "from tinyserve.block import Device, OutOfBlocksError, PhysicalTokenBlock\n"
-              "from tinyserve.block_manager import AllocStatus, BlockSpaceManager as PackageBlockSpaceManager\n"
-              "from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus"),
+              # The reader's class subclasses BlockSpaceManager, the package's (the alias at the
+              # module's end then rebinds the name to the reader's class).
+              "from tinyserve.block_manager import AllocStatus, BlockSpaceManager\n"
+              "from tinyserve.block_manager import BlockSpaceManager as PackageBlockSpaceManager\n"
+              "from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus",
+              check="tinyserve.exercises.ch03:check_block_manager", answer="CopyOnWriteManager"),
     Component("admission", "admission.py", "can_admit", 4, "Scheduler(can_admit=)",
               "from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus"),
     Component("orca_round", "orca_round.py", "Scheduler", 4, "LLMEngine(scheduler=), the policy='orca' round",
               "from collections import deque\n"
+              "from tinyserve import refusals\n"
               "from tinyserve.block_manager import AllocStatus\n"
-              "from tinyserve.scheduler import Scheduler as PackageScheduler, SchedulerOutputs\n"
-              "from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus"),
+              "from tinyserve.scheduler import Scheduler, SchedulerOutputs, SchedulingBudget\n"
+              "from tinyserve.scheduler import Scheduler as PackageScheduler\n"
+              "from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus",
+              check="tinyserve.exercises.ch04:check_orca_round", answer="OrcaRound"),
     Component("scheduler_round", "scheduler_round.py", "Scheduler", 5, "LLMEngine(scheduler=), the policy='vllm' round",
               "from collections import deque\n"
+              "from tinyserve import refusals\n"
               "from tinyserve.block_manager import AllocStatus\n"
-              "from tinyserve.scheduler import Scheduler as PackageScheduler, SchedulerOutputs\n"
-              "from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus"),
+              "from tinyserve.scheduler import Scheduler, SchedulerOutputs, SchedulingBudget\n"
+              "from tinyserve.scheduler import Scheduler as PackageScheduler\n"
+              "from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus",
+              check="tinyserve.exercises.ch05:check_scheduler_round", answer="VllmRound"),
     Component("victim", "victim.py", "choose_victim", 5, "Scheduler(choose_victim=)",
               "from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus"),
     Component("cache_engine", "cache_engine.py", "CacheEngine", 6, "Worker(cache_engine=)",
-              "import torch"),
+              "import torch\nfrom tinyserve.cache_engine import CacheEngine as PackageCacheEngine",
+              check="tinyserve.exercises.ch06:check_cache_engine", answer="SwappingCacheEngine"),
     Component("attention", "attention.py", "AttentionBackend", 7, "attention_backend=<object>",
-              "import torch\nfrom tinyserve.attention.metadata import AttentionMetadata"),
-    Component("decode_kernel", "decode_kernel.py", "paged_decode", 8, "the Triton backend's decode",
-              "import torch\nimport triton\nimport triton.language as tl"),
+              "import torch\nfrom tinyserve.attention.metadata import AttentionMetadata",
+              check="tinyserve.exercises.ch07:check_attention_backend", answer="PagedAttentionBackend"),
+    Component("decode_kernel", "decode_kernel.py", "paged_decode", 8, "TritonBackend(decode=)",
+              "import torch\nfrom tinyserve.attention.triton_env import max_along, next_pow2, sum_along, tl, triton",
+              check="tinyserve.exercises.ch08:check_decode_kernel", answer="paged_decode"),
     Component("input_builder", "input_builder.py", "prepare_inputs", 9, "LLMEngine(prepare_inputs=)",
               "import torch\nfrom tinyserve.attention.metadata import AttentionMetadata\n"
               "from tinyserve.model_runner import ModelInput\n"
-              "from tinyserve.sequence import Sequence, SequenceGroupMetadata"),
+              "from tinyserve.sequence import Sequence, SequenceGroupMetadata",
+              check="tinyserve.exercises.ch09:check_input_builder", answer="prepare_inputs"),
     Component("sampler", "sampler.py", "Sampler", 9, "LLMEngine(sampler=)",
-              "import torch"),
-    Component("parallel_mlp", "parallel_mlp.py", "ParallelMLP", 10, "the tensor-parallel model's MLP",
-              "import torch"),
+              # The reader's class subclasses the package's Sampler for section 9.7's extras.
+              "import torch\nfrom tinyserve.sampler import SampleRequest, apply_min_p\n"
+              "from tinyserve.sampler import Sampler as PackageSampler",
+              check="tinyserve.exercises.ch09:check_sampler", answer="Sampler"),
+    Component("parallel_mlp", "parallel_mlp.py", "ParallelMLP", 10,
+              "TensorParallelExecutor(mlp=) / build_model(mlp=), every rank's MLP",
+              "import torch\nimport torch.nn.functional as F\nfrom torch import nn",
+              check="tinyserve.exercises.ch10:check_parallel_mlp", answer="ParallelMLP"),
 ]}
 
 
