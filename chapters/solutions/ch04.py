@@ -1,4 +1,12 @@
-"""Solutions to chapter 04's exercises: Orca's rounds, both policies, Orca's reservation."""
+"""Solutions to chapter 04's exercises: Orca's rounds, both policies, Orca's reservation, and the
+main one, the Orca round itself."""
+
+from collections import deque
+
+from tinyserve import refusals
+from tinyserve.block_manager import AllocStatus
+from tinyserve.scheduler import Scheduler, SchedulerOutputs
+from tinyserve.sequence import SequenceStatus
 
 
 def orca_batches(requests):
@@ -50,3 +58,92 @@ class OrcaReservation:
             return False
         self.reserved[group.request_id] = (group, need)
         return True
+
+
+# -- the main exercise: the Orca round ------------------------------------------------------------
+
+class OrcaRound(Scheduler):
+    """The orca policy's round, written out: decodes and prefills in one batch. Every other part
+    of the Scheduler (the vLLM round, preemption, refusals, the bookkeeping) is the package's."""
+
+    def _schedule_mixed(self):
+        out, budget = SchedulerOutputs(), self._new_budget()
+        self._orca_decode(out, budget)
+        if not out.preempted:  # memory ran short this round: bringing a group back would thrash
+            self._orca_swap_in(out, budget)
+        if not self.swapped:  # groups admitted before come back before anyone new starts
+            self._orca_admit(out, budget)
+        return out
+
+    def _orca_decode(self, out, budget):
+        todo, kept = deque(self.running), deque()  # oldest first; kept: the groups that stay
+        while todo:
+            group = todo.popleft()
+            seq = group.get_seqs(SequenceStatus.RUNNING)[0]
+            if seq.is_prefill():  # a refill cut short last round: its next piece, not a decode
+                kept.append(group)
+                num_new_tokens = self._num_new_tokens(seq, budget)
+                if num_new_tokens > 0:
+                    self._schedule(out, budget, group, num_new_tokens, is_prompt=True)
+                continue
+            while not self.block_manager.can_append_slot(group):
+                victim = self.choose_victim([group, *todo])  # by default the newest
+                if victim is group:  # nobody newer is left to make room: it leaves itself
+                    self._preempt(group, out, budget)
+                    break
+                todo.remove(victim)
+                self._preempt(victim, out, budget)
+            else:  # the loop ended because the slot is there
+                self._append_slots(group, out)
+                kept.append(group)
+                self._schedule(out, budget, group, 1, is_prompt=False)
+        self.running = kept
+
+    def _orca_swap_in(self, out, budget):
+        while self.swapped:
+            group = self.swapped[0]  # oldest first, and nobody overtakes it
+            n = group.get_max_num_running_seqs()
+            if not self.block_manager.can_swap_in(group) or not budget.can_schedule(n, n):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.update(self.block_manager.swap_in(group))
+            for seq in group.get_seqs(SequenceStatus.SWAPPED):
+                seq.status = SequenceStatus.RUNNING
+            self._append_slots(group, out)  # the slot of the token it decodes this round
+            self.running.append(group)
+            budget.add(num_new_seqs=n)
+            out.swapped_in.append(group.request_id)
+            seq = group.get_seqs(SequenceStatus.RUNNING)[0]
+            if seq.is_prefill():  # it left halfway through a refill: the next piece
+                self._schedule(out, budget, group, self._num_new_tokens(seq, budget), is_prompt=True)
+            else:
+                self._schedule(out, budget, group, 1, is_prompt=False)
+
+    def _orca_admit(self, out, budget):
+        cfg = self.scheduler_config
+        while self.waiting:
+            group = self.waiting[0]
+            seq = group.get_seqs(SequenceStatus.WAITING)[0]
+            # A refill after recompute may be cut into pieces; a new prompt must fit one round.
+            limit = cfg.max_model_len if self._may_split(seq) else cfg.prompt_limit
+            reason = refusals.admission_refusal(group, limit, self.block_manager, cfg)
+            status = self.block_manager.can_allocate(group) if reason is None else None
+            if status == AllocStatus.NEVER:
+                reason = refusals.no_room(group, self.block_manager)
+            if reason is not None:  # it can never run: refuse it, and the next one gets its turn
+                self._ignore(group, out, reason)
+                continue
+            num_new_tokens = self._num_new_tokens(seq, budget)  # what the decodes left, if it may split
+            num_new_seqs = group.get_max_num_running_seqs()
+            if (status == AllocStatus.LATER or num_new_tokens <= 0
+                    or not budget.can_schedule(num_new_tokens, num_new_seqs)):
+                break  # first come, first served: nobody overtakes the head of the queue
+            if self.can_admit is not None and not self.can_admit(group, budget, self.block_manager):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(group)
+            for s in group.get_seqs(SequenceStatus.WAITING):
+                s.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            budget.add(num_new_seqs=num_new_seqs)
+            self._schedule(out, budget, group, num_new_tokens, is_prompt=True)

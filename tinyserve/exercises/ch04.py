@@ -6,6 +6,11 @@ grades an admission rule the reader writes for the real scheduler (``Scheduler(c
 Orca's, which admits a request only when the slots for its prompt and all of its ``max_tokens``
 can be reserved. It is compared, round by round, with the same scheduler under a version of the
 rule kept here, on A–E with a small cache and on random workloads.
+
+``check_orca_round`` grades the chapter's main exercise, the orca policy's whole round (a
+Scheduler subclass overriding ``_schedule_mixed``): the simulator runs it beside the package's
+Scheduler on s0/s1/s2, A–E and random workloads that preempt, and the first round and fact that
+differ are named, with the part of the round that alone makes the difference where one does.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from collections.abc import Callable
 
 from tinyserve import presets
 from tinyserve.config import CacheConfig, SchedulerConfig
+from tinyserve.exercises.ch03 import answer_name
 from tinyserve.exercises.sched_runs import SimWorkload, check_runs, scheduler_run
-from tinyserve.exercises.verdict import checker, run_cases
-from tinyserve.scheduler import Scheduler
+from tinyserve.exercises.verdict import checker, run_cases, verdict
+from tinyserve.scheduler import Scheduler, SchedulerOutputs
 from tinyserve.sequence import SequenceGroup
-from tinyserve.sim import Request, RoundRecord, simulate
+from tinyserve.sim import Request, RoundRecord, make_record, simulate
+from tinyserve.workspace.so_far import round_difference
 
 AMPLE_CACHE = CacheConfig(block_size=16, num_gpu_blocks=4096, num_cpu_blocks=0, watermark=0.0)
 
@@ -127,3 +134,187 @@ def check_orca_reservation(cls: Callable, num_random: int = 12, seed: int = 0) -
     GPU's ``num_total_gpu_blocks``. Graded round by round under the orca policy."""
     return check_runs("OrcaReservation in the scheduler", reservation_workloads(num_random, seed),
                       lambda *w: scheduler_run(*w, can_admit=cls()), _model_run)
+
+
+# -- the main exercise: the Orca round ------------------------------------------------------------
+
+# The parts of the reader's round, each with the package's method that does the same work (the
+# package's phases are shared with the vLLM round, chapter 05's; the reader's have names of their own).
+ORCA_PARTS = {"_schedule_mixed": None, "_orca_decode": "_decode_running", "_orca_swap_in": "_swap_in_swapped",
+              "_orca_admit": "_admit_waiting"}
+# Chapter 05's round, and the entry point both rounds share: an orca_round must leave them alone, so
+# that it joins the reader's scheduler_round (a subclass of its own) by inheritance.
+NOT_THE_ORCA_ROUND = ("schedule", "_schedule_vllm", "_admit_waiting", "_decode_running", "_swap_in_swapped")
+# What a round record holds beyond round_difference's facts: the pieces a split prefill brought
+# and every block table (a forgotten slot shows there first).
+EXTRA_FACTS = ("chunk_sizes", "num_batched_tokens", "block_tables", "cpu_block_tables", "free_cpu_blocks")
+
+OrcaWorkload = tuple[str, list[Request], SchedulerConfig, CacheConfig, dict]  # (label, ..., Scheduler hooks)
+
+
+def _at_most_three_running(group: SequenceGroup, budget, block_manager) -> bool:
+    """An admission rule for the hook run (exercise 4's seam): no more than three sequences at a time."""
+    return budget.num_curr_seqs < 3
+
+
+def _holding_most_tokens(running: list[SequenceGroup]) -> SequenceGroup:
+    """A victim policy for the hook run: the group holding the most tokens (the first of equals)."""
+    return max(running, key=lambda g: g.get_seqs()[0].get_len())
+
+
+def orca_round_workloads(num_random: int = 24, seed: int = 4) -> list[OrcaWorkload]:
+    """The runs ``check_orca_round`` compares, all under ``policy="orca"``: s0/s1/s2 under each
+    preemption mode, A–E (roomy, then on caches that make it preempt), the two hooks, and random
+    workloads on tiny caches (prompts that can never run, swap space that fills up, arrivals over
+    time, token budgets small enough that a refill after recompute is cut into pieces)."""
+    runs: list[OrcaWorkload] = []
+    for mode in ("swap", "recompute", None):
+        seed_preset = presets.seed_rounds(mode, policy="orca")
+        runs.append((f"s0/s1/s2, policy='orca', preemption_mode={mode!r}", seed_preset.requests,
+                     seed_preset.scheduler_config, seed_preset.cache_config, {}))
+    ae = presets.orca_example()
+    runs.append(("A-E, policy='orca'", ae.requests, ae.scheduler_config, ae.cache_config, {}))
+    for mode in ("swap", "recompute"):
+        runs.append((f"A-E on 7 GPU blocks of 4, preemption_mode={mode!r}", ae.requests,
+                     SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=4, max_model_len=28, policy="orca",
+                                     preemption_mode=mode),
+                     CacheConfig(block_size=4, num_gpu_blocks=7, num_cpu_blocks=3, watermark=0.0), {}))
+    # Older requests bring longer prompts, so the group with the most tokens is rarely the newest.
+    hooked = [Request(f"r{j}", 8 - j, 10, 1 + j // 3) for j in range(7)]
+    sc = SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=6, max_model_len=16, policy="orca",
+                         preemption_mode="swap")
+    cc = CacheConfig(block_size=2, num_gpu_blocks=8, num_cpu_blocks=16, watermark=0.0)
+    runs.append(("7 requests, choose_victim=the most tokens", hooked, sc, cc, {"choose_victim": _holding_most_tokens}))
+    roomy = dataclasses.replace(cc, num_gpu_blocks=32)  # the rule, not memory, holds prompts back
+    runs.append(("7 requests on 32 GPU blocks of 2, can_admit=at most three sequences running", hooked, sc, roomy,
+                 {"can_admit": _at_most_three_running}))
+    rng = random.Random(seed)
+    for i in range(num_random):
+        mode = ("swap", "recompute", None)[i % 3]
+        budget, block_size, gpu = rng.randint(6, 16), rng.choice([2, 4]), rng.randint(4, 10)
+        cpu = rng.choice([0, 2, 4, 16])  # a small swap space fills up: single sequences are recomputed instead
+        limit = min(budget, gpu * block_size)
+        requests = []
+        for j in range(rng.randint(3, 8)):
+            never = rng.random() < 0.15
+            prompt = rng.randint(limit + 1, limit + 6) if never else rng.randint(1, max(1, limit - 2))
+            requests.append(Request(f"r{j}", prompt, rng.randint(1, 10), rng.randint(1, 4)))
+        runs.append((f"random workload {i} ({len(requests)} requests, {gpu} GPU and {cpu} CPU blocks of {block_size}, "
+                     f"budget {budget}, preemption_mode={mode!r})", requests,
+                     SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=rng.randint(2, 5),
+                                     max_model_len=gpu * block_size, policy="orca", preemption_mode=mode),
+                     CacheConfig(block_size=block_size, num_gpu_blocks=gpu, num_cpu_blocks=cpu,
+                                 watermark=rng.choice([0.0, 0.0, 0.2])), {}))
+    return runs
+
+
+def _recorded_rounds(cls: type, requests: list[Request], sc: SchedulerConfig, cc: CacheConfig, hooks: dict,
+                     max_rounds: int) -> tuple[list[RoundRecord], str | None]:
+    """The simulator's rounds on ``cls(sc, cc, **hooks)``, kept as they happen, so that a run that
+    raises (or never ends) still shows the rounds before it, with the error."""
+    records: list[RoundRecord] = []
+    try:
+        scheduler = cls(sc, cc, **hooks)
+        postprocess = scheduler.postprocess
+
+        def recording(out, next_token):  # simulate calls it once a round, right after schedule()
+            finished = postprocess(out, next_token)
+            records.append(make_record(len(records) + 1, scheduler, out, finished))
+            return finished
+
+        scheduler.postprocess = recording
+        simulate(requests, sc, cc, max_rounds=max_rounds, scheduler=scheduler)
+    except NotImplementedError as e:  # the skeleton's body, or part of it
+        return records, f"NotImplementedError{f': {e}' if str(e) else ''} (a part not written yet)"
+    except Exception as e:  # the reader's code
+        return records, f"{type(e).__name__}: {e}"
+    return records, None
+
+
+def _first_difference(mine: list[RoundRecord], error: str | None, expected: list[RoundRecord]) -> str | None:
+    """The first round and fact in which ``mine`` departs from ``expected``, or None."""
+    for a, b in zip(mine, expected):
+        problem = round_difference([a], [b])
+        for name in EXTRA_FACTS:
+            if problem is None and getattr(a, name) != getattr(b, name):
+                problem = f"round {a.round}: {name} {getattr(a, name)} instead of {getattr(b, name)}"
+        if problem:
+            return problem
+    if error:
+        return f"round {len(mine) + 1} raised {error}"
+    if len(mine) != len(expected):
+        return f"{len(mine)} rounds instead of {len(expected)}"
+    return None
+
+
+def _package_phases(self) -> SchedulerOutputs:
+    """The package's round, calling the reader's phases by their exercise names."""
+    out, budget = SchedulerOutputs(), self._new_budget()
+    self._orca_decode(out, budget)
+    if not out.preempted:
+        self._orca_swap_in(out, budget)
+    if not self.swapped:
+        self._orca_admit(out, budget)
+    return out
+
+
+def _only_part_yours(cls: type, part: str) -> type:
+    """``cls`` with the package's version of every part of the round but ``part``."""
+    package = {"_schedule_mixed": _package_phases,
+               **{mine: getattr(Scheduler, theirs) for mine, theirs in ORCA_PARTS.items() if theirs}}
+    return type(f"only_your_{part}", (cls,), {m: f for m, f in package.items() if m != part})
+
+
+def _written(cls: type) -> list[str]:
+    """The parts of the round ``cls`` defines itself."""
+    return [m for m in ORCA_PARTS
+            if getattr(cls, m, None) is not None and getattr(cls, m) is not getattr(Scheduler, m, None)]
+
+
+def _parts_to_blame(cls: type, workload: OrcaWorkload, expected: list[RoundRecord]) -> list[str]:
+    """The parts of ``cls`` that, alone among the package's others, already depart from it."""
+    _, requests, sc, cc, hooks = workload
+    found = []
+    for part in _written(cls):
+        mine, error = _recorded_rounds(_only_part_yours(cls, part), requests, sc, cc, hooks, 4 * len(expected) + 20)
+        if _first_difference(mine, error, expected) is not None:
+            found.append(part)
+    return found
+
+
+@checker(chapter=4, answer="OrcaRound")
+def check_orca_round(cls: type) -> bool:
+    """``cls``: a subclass of tinyserve.scheduler.Scheduler whose ``_schedule_mixed`` makes the orca
+    policy's round: every running group decodes (preempting when blocks run out), swapped groups
+    come back if nobody was preempted, then waiting prompts are admitted within the budgets
+    while nothing is swapped out. Run through the simulator beside the package's Scheduler on
+    every workload of ``orca_round_workloads``, it must decide every round alike: batch, pieces,
+    preemptions, swaps, refusals, queues and block tables. A failure names the workload, the
+    first round and fact that differ and, where one part alone makes the difference (run with
+    the package's versions of the others), that part: ``_schedule_mixed`` or the skeleton's
+    ``_orca_decode``, ``_orca_swap_in`` and ``_orca_admit``."""
+    name = answer_name(cls, "OrcaRound")
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        print(f"✗ {name} must be a class that subclasses tinyserve.scheduler.Scheduler, got {cls!r}")
+        return False
+    if cls._schedule_mixed is Scheduler._schedule_mixed:
+        print(f"✗ {name} does not override _schedule_mixed, the orca policy's round: the package's would run")
+        return False
+    theirs = [m for m in NOT_THE_ORCA_ROUND if getattr(cls, m) is not getattr(Scheduler, m)]
+    if theirs:
+        print(f"✗ {name} overrides {', '.join(theirs)}: that is the vLLM round's (chapter 05's scheduler_round); "
+              "give your phases names of their own (the skeleton's _orca_decode, _orca_swap_in, _orca_admit)")
+        return False
+    workloads = orca_round_workloads()
+    failures = []
+    for workload in workloads:
+        want, _ = _recorded_rounds(Scheduler, *workload[1:], 10_000)
+        mine, error = _recorded_rounds(cls, *workload[1:], 4 * len(want) + 20)
+        problem = _first_difference(mine, error, want)
+        if problem is None:
+            continue
+        parts = _parts_to_blame(cls, workload, want)
+        where = (f"; with the package's other parts, your {' and your '.join(parts)} alone already "
+                 f"differ{'s' if len(parts) == 1 else ''}") if parts else ""
+        failures.append(f"{workload[0]}: {problem}{where}")
+    return verdict(name, failures, len(workloads))

@@ -3,6 +3,8 @@
 Chapters 02–05 run the scheduler with no model (the simulator's scripted requests) and compare
 the rounds: what each schedules, preempts, swaps out and in, finishes, leaves in each queue, and
 the free GPU blocks (not block numbers: an allocator may hand out other blocks and be right).
+Chapter 04 runs s0/s1/s2 twice, under the vLLM policy and under the orca policy, whose round is
+that chapter's component (``orca_round``); the other chapters run the vLLM policy only.
 From chapter 06 the engine runs the prompts greedily on a model (SmolLM2 if installed, else the
 tiny random Llama; with the tiny tokenizer the prompts are 9, 7 and 4 tokens, so the rounds are
 not the story's, but both runs share them) and the tokens are compared as well as the rounds.
@@ -117,26 +119,65 @@ def _report_after_failure(chapter: int, names: tuple[str, ...]) -> Report:
                    for name in names})
 
 
+# Chapters whose verdict also runs s0/s1/s2 under policy="orca": chapter 04's orca_round is the
+# round of that policy only, so the vLLM run alone would never call it.
+ORCA_CHAPTERS = (4,)
+
+
+def _scheduler_runs(preset, chapter: int) -> tuple[list[RoundRecord], list[RoundRecord], Report, str | None]:
+    """The package's rounds and the reader's on ``preset``, the report, and the reader's error."""
+    package, _ = _recorded_simulation(build_scheduler(preset, chapter=0)[0], preset)
+    try:
+        scheduler, report = build_scheduler(preset, chapter=chapter)
+        mine, error = _recorded_simulation(scheduler, preset)
+    except Exception as e:
+        report, mine, error = _report_after_failure(chapter, SCHEDULER_PARTS), [], f"{type(e).__name__}: {e}"
+    return package, mine, report, error
+
+
+def _problems(mine: list[RoundRecord], package: list[RoundRecord], error: str | None,
+              my_tokens: dict[str, list[int]] | None = None,
+              package_tokens: dict[str, list[int]] | None = None) -> list[str]:
+    """The first difference of rounds (and tokens, if given), and the reader's error, if any."""
+    problems = [p for p in (round_difference(mine, package),
+                            token_difference(my_tokens, package_tokens) if package_tokens is not None else None) if p]
+    if error:
+        where = f"in round {len(mine) + 1}" if mine else "before the first round"
+        # What the error cut short is not a difference of its own.
+        problems = [p for p in problems if mine and not p.endswith(f"rounds instead of {len(package)}")
+                    and " tokens instead of " not in p]
+        problems.append(f"your run raised {error} ({where})")
+    return problems
+
+
 def your_engine_so_far(chapter: int, *, model=None, preemption_mode: str = "swap", quiet: bool = False) -> Verdict:
     """Run s0/s1/s2 (``presets.seed_rounds(preemption_mode)``) through the reader's parts of
     chapters up to ``chapter`` and through the package's, print the verdict ("same rounds",
     "same tokens", or the first difference) and which parts were the reader's, and return it.
 
-    Chapters 02–05: the scheduler without a model. From 06: the engine on ``model`` (see
-    ``build_engine``), comparing tokens and rounds."""
-    preset = presets.seed_rounds(preemption_mode)
+    Chapters 02–05: the scheduler without a model. Chapter 04 runs s0/s1/s2 under
+    ``policy="vllm"`` and again under ``policy="orca"``, whose round is the chapter's
+    ``orca_round`` (the verdict's rounds are the orca run's, or the first run that differs).
+    From 06: the engine on ``model`` (see ``build_engine``), comparing tokens and rounds."""
     kind = "rounds" if chapter <= 5 else "tokens"
-    error = None
+    policies = ("vllm", "orca") if chapter in ORCA_CHAPTERS else ("vllm",)
+    my_tokens: dict[str, list[int]] = {}
+    package_tokens: dict[str, list[int]] = {}
     if kind == "rounds":
-        package, _ = _recorded_simulation(build_scheduler(preset, chapter=0)[0], preset)
-        try:
-            scheduler, report = build_scheduler(preset, chapter=chapter)
-            mine, error = _recorded_simulation(scheduler, preset)
-        except Exception as e:
-            report, mine, error = _report_after_failure(chapter, SCHEDULER_PARTS), [], f"{type(e).__name__}: {e}"
-        package_tokens: dict[str, list[int]] = {}
-        my_tokens: dict[str, list[int]] = {}
+        runs = []
+        for policy in policies:
+            package, mine, report, error = _scheduler_runs(presets.seed_rounds(preemption_mode, policy=policy), chapter)
+            runs.append((policy, package, mine, _problems(mine, package, error)))
+        failed = [run for run in runs if run[3]]
+        _, package, mine, _ = failed[0] if failed else runs[-1]
+        if len(runs) == 1:
+            problems = runs[0][3]
+        else:  # each run's problems, named by its policy
+            problems = [f"policy={policy!r}: {p}" for policy, _, _, found in runs for p in found]
+        rounds = "; ".join(f"policy={policy!r}: {len(theirs)} rounds" for policy, theirs, _, _ in runs)
+        same = f"same rounds ({len(package)} rounds)" if len(runs) == 1 else f"same rounds ({rounds})"
     else:
+        preset = presets.seed_rounds(preemption_mode)
         engine, _ = build_engine(model, preset=preset, chapter=0)
         package_tokens, package, _ = _engine_run(engine, preset)
         try:
@@ -145,19 +186,15 @@ def your_engine_so_far(chapter: int, *, model=None, preemption_mode: str = "swap
         except Exception as e:
             report, my_tokens, mine = _report_after_failure(chapter, ENGINE_PARTS), {}, []
             error = f"{type(e).__name__}: {e}"
-    problems = [p for p in (round_difference(mine, package),
-                            token_difference(my_tokens, package_tokens) if kind == "tokens" else None) if p]
-    if error:
-        where = f"in round {len(mine) + 1}" if mine else "before the first round"
-        # What the error cut short is not a difference of its own.
-        problems = [p for p in problems if mine and not p.endswith(f"rounds instead of {len(package)}")
-                    and " tokens instead of " not in p]
-        problems.append(f"your run raised {error} ({where})")
+        problems = _problems(mine, package, error, my_tokens, package_tokens)
+        same = f"same tokens ({len(package)} rounds)"
     ok = not problems
-    text = f"same {kind} ({len(package)} rounds)" if ok else "; ".join(problems)
+    text = same if ok else "; ".join(problems)
     verdict = Verdict(chapter, kind, ok, text, report, mine, package, my_tokens, package_tokens)
     if not quiet:
         where = "without a model" if kind == "rounds" else "on the model, greedy"
-        print(f"Your engine so far (chapter {chapter:02d}): s0/s1/s2, preemption_mode={preemption_mode!r}, {where}")
+        under = f", under {' and '.join(f'policy={p!r}' for p in policies)}" if len(policies) > 1 else ""
+        print(f"Your engine so far (chapter {chapter:02d}): s0/s1/s2{under}, preemption_mode={preemption_mode!r}, "
+              f"{where}")
         print(verdict)
     return verdict
