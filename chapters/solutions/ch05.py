@@ -1,7 +1,12 @@
-"""Solutions to chapter 05's exercises: admission, preemption, a victim policy, a cautious swap-in."""
+"""Solutions to chapter 05's exercises: admission, preemption, the vLLM round, a victim policy, a
+cautious swap-in."""
 
+from collections import deque
+
+from tinyserve import refusals
 from tinyserve.block import Device
-from tinyserve.block_manager import BlockSpaceManager
+from tinyserve.block_manager import AllocStatus, BlockSpaceManager
+from tinyserve.scheduler import Scheduler, SchedulerOutputs
 from tinyserve.sequence import SequenceStatus
 
 
@@ -36,6 +41,97 @@ def preempted(running, needs_block, num_free_blocks):
         else:
             num_free_blocks -= 1
     return victims
+
+
+# -- exercise 3: the vLLM round ---------------------------------------------------------------------
+
+class VllmRound(Scheduler):
+    """The vLLM policy's round, written out; every other part of the Scheduler is the package's."""
+
+    def _schedule_vllm(self):
+        out, budget = SchedulerOutputs(), self._new_budget()
+        self._continue_prefills(out, budget)  # a refill cut into pieces (5.3) goes on first
+        if not self.swapped:  # swapped groups were admitted before: they come back first
+            self._admit_waiting(out, budget)
+        if out.scheduled_seq_groups or out.ignored_seq_groups:
+            return out  # a prefill round: vLLM never mixes it with decodes
+        self._decode_running(out, budget)
+        if not out.preempted:  # memory was short this round: bringing a group back would thrash
+            self._swap_in_swapped(out, budget)
+        return out
+
+    def _admit_waiting(self, out, budget):
+        cfg = self.scheduler_config
+        while self.waiting:
+            group = self.waiting[0]
+            seq = group.get_seqs(SequenceStatus.WAITING)[0]
+            # A refill after recompute may be cut into pieces; any other prompt must fit one round.
+            limit = cfg.max_model_len if self._may_split(seq) else cfg.prompt_limit
+            reason = refusals.admission_refusal(group, limit, self.block_manager, cfg)
+            status = self.block_manager.can_allocate(group) if reason is None else None
+            if status == AllocStatus.NEVER:
+                reason = refusals.no_room(group, self.block_manager)
+            if reason is not None:
+                self._ignore(group, out, reason)  # it can never run: out, and the next one's turn
+                continue
+            num_new_tokens = self._num_new_tokens(seq, budget)
+            num_new_seqs = group.get_max_num_running_seqs()
+            if (status == AllocStatus.LATER or num_new_tokens <= 0
+                    or not budget.can_schedule(num_new_tokens, num_new_seqs)):
+                break  # first come, first served: nobody overtakes the head of the queue
+            if self.can_admit is not None and not self.can_admit(group, budget, self.block_manager):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(group)
+            for s in group.get_seqs(SequenceStatus.WAITING):
+                s.status = SequenceStatus.RUNNING
+            self.running.append(group)
+            budget.add(num_new_seqs=num_new_seqs)
+            self._schedule(out, budget, group, num_new_tokens, is_prompt=True)
+
+    def _decode_running(self, out, budget):
+        todo, kept = deque(self.running), deque()  # oldest first; kept: those that stay
+        while todo:
+            group = todo.popleft()
+            seq = group.get_seqs(SequenceStatus.RUNNING)[0]
+            if seq.is_prefill():  # a prompt prefilled in pieces (a mixed round): its next piece
+                kept.append(group)
+                num_new_tokens = self._num_new_tokens(seq, budget)
+                if num_new_tokens > 0:
+                    self._schedule(out, budget, group, num_new_tokens, is_prompt=True)
+                continue
+            while not self.block_manager.can_append_slot(group):
+                victim = self.choose_victim([group, *todo])  # by default the newest
+                if victim is group:  # nobody newer is left: it gives way itself
+                    self._preempt(group, out, budget)
+                    break
+                todo.remove(victim)
+                self._preempt(victim, out, budget)
+            else:  # the slot is there
+                self._append_slots(group, out)
+                kept.append(group)
+                self._schedule(out, budget, group, 1, is_prompt=False)
+        self.running = kept
+
+    def _swap_in_swapped(self, out, budget):
+        while self.swapped:
+            group = self.swapped[0]  # oldest first, and nobody overtakes it
+            n = group.get_max_num_running_seqs()
+            if not self.block_manager.can_swap_in(group) or not budget.can_schedule(n, n):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.update(self.block_manager.swap_in(group))
+            for seq in group.get_seqs(SequenceStatus.SWAPPED):
+                seq.status = SequenceStatus.RUNNING
+            self._append_slots(group, out)  # the slot for the token it adds now
+            self.running.append(group)
+            budget.add(num_new_seqs=n)
+            out.swapped_in.append(group.request_id)
+            seq = group.get_seqs(SequenceStatus.RUNNING)[0]
+            if seq.is_prefill():  # swapped out between two pieces of a prefill: the rest of it
+                self._schedule(out, budget, group, self._num_new_tokens(seq, budget), is_prompt=True)
+            else:
+                self._schedule(out, budget, group, 1, is_prompt=False)
 
 
 def most_tokens_victim(running):

@@ -1,5 +1,9 @@
 """Checkers for chapter 05: the vLLM scheduler, preemption and the swapped queue.
 
+``check_scheduler_round`` grades the chapter's main exercise, the reader's vLLM round (a Scheduler
+subclass with ``_schedule_vllm`` and its three phases), round by round against the package's
+Scheduler on s0/s1/s2, the A–E workload, random workloads on tiny caches, the hooks and the Orca
+round, and names the first round and fact that differ and the method that makes the difference.
 ``check_admission`` and ``check_preempted`` compare the reader's prediction with the real
 Scheduler in the same situation. ``check_victim_policy`` and ``check_cautious_swap_in`` grade
 components the reader writes for the real scheduler: a victim policy
@@ -11,7 +15,10 @@ same scheduler running that version.
 
 from __future__ import annotations
 
+import contextlib
 import random
+import signal
+import threading
 from collections.abc import Callable
 
 from tinyserve import presets
@@ -20,10 +27,11 @@ from tinyserve.block_manager import BlockSpaceManager
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.exercises.ch03 import answer_name
 from tinyserve.exercises.sched_runs import SimWorkload, check_runs, run_with_manager, scheduler_run, seed_workloads
-from tinyserve.exercises.verdict import checker, run_cases
+from tinyserve.exercises.verdict import checker, run_cases, verdict
 from tinyserve.scheduler import Scheduler
 from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
-from tinyserve.sim import Request
+from tinyserve.sim import Request, make_record, simulate
+from tinyserve.workspace.so_far import round_difference
 
 
 def _request_group(request_id: str, seq_id: int, prompt_len: int, block_size: int,
@@ -276,3 +284,213 @@ def check_cautious_swap_in(cls: type, num_cases: int = 150, seed: int = 0) -> bo
     engine_ok = check_runs(f"{name} in the scheduler", swap_in_workloads(),
                            lambda *w: run_with_manager(cls, *w), lambda *w: run_with_manager(_CautiousModel, *w))
     return rule_ok and engine_ok
+
+
+# -- the vLLM round -------------------------------------------------------------------------------
+
+ROUND_METHODS = ("_schedule_vllm", "_admit_waiting", "_decode_running", "_swap_in_swapped")
+# What a round record holds beyond round_difference's facts: the pieces a split prefill brought
+# and every block table (a forgotten slot shows there first).
+MORE_FACTS = ("chunk_sizes", "num_batched_tokens", "block_tables", "cpu_block_tables", "free_cpu_blocks")
+
+
+def _fewest_running(group: SequenceGroup, budget, block_manager) -> bool:
+    """An admission rule for the hook run: at most two groups at a time (chapter 04's seam)."""
+    return budget.num_curr_seqs < 2
+
+
+def round_workloads() -> list[tuple[str, list[Request], SchedulerConfig, CacheConfig, dict]]:
+    """The runs ``check_scheduler_round`` compares, each with the Scheduler's hooks it sets:
+    s0/s1/s2 under both preemption modes and vLLM's rule, the A–E workload (roomy, then on a
+    cache that makes it preempt), random workloads on tiny caches (prompts that can never run,
+    swap space that fills up, arrivals over time), a victim policy and an admission rule through
+    the hooks, and the Orca round (the package's ``_schedule_mixed``) calling the reader's phases."""
+    runs = []
+    for mode in ("swap", "recompute", None):
+        seed = presets.seed_rounds(mode)
+        runs.append((f"s0/s1/s2, preemption_mode={mode!r}", seed.requests, seed.scheduler_config,
+                     seed.cache_config, {}))
+    ae = presets.orca_example("vllm")
+    runs.append(("A-E, policy='vllm'", ae.requests, ae.scheduler_config, ae.cache_config, {}))
+    for mode in ("swap", "recompute"):
+        runs.append((f"A-E on 7 GPU blocks of 4, preemption_mode={mode!r}", ae.requests,
+                     SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=4, max_model_len=28, preemption_mode=mode),
+                     CacheConfig(block_size=4, num_gpu_blocks=7, num_cpu_blocks=3, watermark=0.0), {}))
+    rng = random.Random(7)
+    for i in range(24):
+        mode = ("swap", "recompute")[i % 2]
+        budget, block_size, gpu = rng.randint(8, 16), rng.choice([2, 4]), rng.randint(4, 10)
+        cpu = rng.choice([0, 2, 4, 16])  # a small swap space fills up: single sequences are recomputed instead
+        limit = min(budget, gpu * block_size)
+        requests = []
+        for j in range(rng.randint(3, 8)):
+            never = rng.random() < 0.15
+            prompt = rng.randint(limit + 1, limit + 6) if never else rng.randint(1, max(1, limit - 2))
+            requests.append(Request(f"r{j}", prompt, rng.randint(1, 10), rng.randint(1, 4)))
+        runs.append((f"random workload {i} ({len(requests)} requests, {gpu} GPU and {cpu} CPU blocks of {block_size}, "
+                     f"budget {budget}, preemption_mode={mode!r})", requests,
+                     SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=rng.randint(2, 5),
+                                     max_model_len=gpu * block_size, preemption_mode=mode),
+                     CacheConfig(block_size=block_size, num_gpu_blocks=gpu, num_cpu_blocks=cpu,
+                                 watermark=rng.choice([0.0, 0.0, 0.2])), {}))
+    # Older requests bring longer prompts, so the group with the most tokens is rarely the newest.
+    hooked = [Request(f"r{j}", 8 - j, 10, 1 + j // 3) for j in range(7)]
+    sc = SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=6, max_model_len=16, preemption_mode="swap")
+    cc = CacheConfig(block_size=2, num_gpu_blocks=8, num_cpu_blocks=16, watermark=0.0)
+    runs.append(("7 requests, choose_victim=the most tokens (exercise 4's policy)", hooked, sc, cc,
+                 {"choose_victim": _most_tokens}))
+    runs.append(("7 requests, can_admit=at most two groups running", hooked, sc, cc, {"can_admit": _fewest_running}))
+    # A refill longer than what the decodes leave of the budget is prefilled in pieces over rounds,
+    # and the package's mixed round hands the pieces to _decode_running.
+    for i, mode in enumerate(("recompute", "recompute", "swap")):
+        requests = [Request(f"r{j}", rng.randint(3, 8), rng.randint(4, 10), rng.randint(1, 3)) for j in range(7)]
+        runs.append((f"policy='orca' (the package's Orca round calling your phases) {i}, preemption_mode={mode!r}",
+                     requests, SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=5, max_model_len=16,
+                                               policy="orca", preemption_mode=mode),
+                     CacheConfig(block_size=2, num_gpu_blocks=12, num_cpu_blocks=8, watermark=0.0), {}))
+    return runs
+
+
+def _rounds(cls: type, requests: list[Request], sc: SchedulerConfig, cc: CacheConfig, hooks: dict,
+            max_rounds: int) -> tuple[list, str | None]:
+    """The simulator's rounds on ``cls(sc, cc, **hooks)``, kept as they happen, so that a run that
+    raises (or never ends) still shows the rounds before it, with the error."""
+    records = []
+    try:
+        with _time_limit(RUN_SECONDS):
+            _simulate_recorded(cls, requests, sc, cc, hooks, max_rounds, records)
+    except Exception as e:  # the reader's code
+        return records, _error(cls, e)
+    return records, None
+
+
+RUN_SECONDS = 2.0  # one run takes milliseconds; a loop in a phase that never ends takes forever
+
+
+class RunTooLong(Exception):
+    """A run of the reader's round that went past ``RUN_SECONDS``."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise RunTooLong in the block after ``seconds`` (where the platform allows: the main thread
+    on POSIX, as in a notebook; elsewhere the block runs unlimited)."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise RunTooLong(f"the run took more than {seconds:g} s (a loop that never ends?)")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _simulate_recorded(cls, requests, sc, cc, hooks, max_rounds, records: list) -> None:
+    """Run the simulator on ``cls(sc, cc, **hooks)``, appending each round's record to ``records``."""
+    scheduler = cls(sc, cc, **hooks)
+    postprocess = scheduler.postprocess
+
+    def recording(out, next_token):  # simulate calls it once a round, right after schedule()
+        finished = postprocess(out, next_token)
+        records.append(make_record(len(records) + 1, scheduler, out, finished))
+        return finished
+
+    scheduler.postprocess = recording
+    simulate(requests, sc, cc, max_rounds=max_rounds, scheduler=scheduler)
+
+
+def _error(cls: type, e: Exception) -> str:
+    """The error, and the innermost of the reader's methods it came from ("not written yet" for a
+    skeleton's NotImplementedError)."""
+    mine = {f.__code__ for k in cls.__mro__ if k is not Scheduler and issubclass(k, Scheduler)
+            for f in vars(k).values() if hasattr(f, "__code__")}
+    frames = [tb.tb_frame.f_code for tb in _tracebacks(e.__traceback__) if tb.tb_frame.f_code in mine]
+    where = f" in your {frames[-1].co_name}" if frames else ""
+    if isinstance(e, NotImplementedError):
+        return f"NotImplementedError{where} (not written yet)"
+    return f"{type(e).__name__}{where}: {e}"
+
+
+def _tracebacks(tb):
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+def _difference(mine: list, error: str | None, expected: list) -> str | None:
+    """The first round and fact in which ``mine`` departs from ``expected``, or None."""
+    for a, b in zip(mine, expected):
+        problem = round_difference([a], [b])
+        for name in MORE_FACTS:
+            if problem is None and getattr(a, name) != getattr(b, name):
+                problem = f"round {a.round}: {name} {getattr(a, name)} instead of {getattr(b, name)}"
+        if problem:
+            return problem
+    if error:
+        return f"round {len(mine) + 1} raised {error}"
+    if len(mine) != len(expected):
+        return f"{len(mine)} rounds instead of {len(expected)}"
+    return None
+
+
+def _with_only(cls: type, method: str) -> type:
+    """``cls`` with the package's versions of every round method but ``method``."""
+    return type(f"only_your_{method}", (cls,), {m: getattr(Scheduler, m) for m in ROUND_METHODS if m != method})
+
+
+def _culprits(cls: type, workload, expected: list) -> list[str]:
+    """The methods of ``cls`` that, alone among the package's others, already depart from it."""
+    _, requests, sc, cc, hooks = workload
+    found = []
+    for method in ROUND_METHODS:
+        if getattr(cls, method) is getattr(Scheduler, method):
+            continue
+        mine, error = _rounds(_with_only(cls, method), requests, sc, cc, hooks, 4 * len(expected) + 20)
+        if _difference(mine, error, expected) is not None:
+            found.append(method)
+    return found
+
+
+@checker(chapter=5, answer="VllmRound")
+def check_scheduler_round(cls: type) -> bool:
+    """``cls``: a subclass of tinyserve.scheduler.Scheduler whose ``_schedule_vllm``,
+    ``_admit_waiting``, ``_decode_running`` and ``_swap_in_swapped`` make the vLLM policy's round
+    (``_schedule_mixed`` is chapter 04's and stays the package's). Run through the simulator
+    beside the package's Scheduler on every workload of ``round_workloads``, it must decide every
+    round alike: batch, pieces, preemptions, swaps, refusals, queues and block tables. A failure
+    names the workload, the first round and fact that differ and, where one method alone makes
+    the difference (run with the package's other three), that method."""
+    name = answer_name(cls, "VllmRound")
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        print(f"✗ {name} must be a class that subclasses tinyserve.scheduler.Scheduler, got {cls!r}")
+        return False
+    if cls._schedule_mixed is not Scheduler._schedule_mixed:
+        print(f"✗ {name} overrides _schedule_mixed: that is chapter 04's round (orca_round); leave it to the package")
+        return False
+    workloads = round_workloads()
+    expected = {w[0]: _rounds(Scheduler, *w[1:], 10_000)[0] for w in workloads}
+
+    failures = []
+    for workload in workloads:
+        want = expected[workload[0]]
+        mine, error = _rounds(cls, *workload[1:], 4 * len(want) + 20)
+        problem = _difference(mine, error, want)
+        if problem is None:
+            continue
+        stuck = bool(error) and error.startswith("RunTooLong")
+        parts = [] if error and error.startswith(("NotImplementedError", "RunTooLong")) else \
+            _culprits(cls, workload, want)
+        where = (f"; with the package's other methods, your {' and your '.join(parts)} alone already "
+                 f"differ{'s' if len(parts) == 1 else ''}") if parts else ""
+        if stuck:  # every other run would wait as long: one is enough to see it
+            where += " (the other workloads were not run)"
+        failures.append(f"{workload[0]}: {problem}{where}")
+        if stuck:
+            break
+    return verdict(name, failures, len(workloads))
