@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -83,9 +84,14 @@ class TritonBackend:
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, decode: Callable[..., torch.Tensor] | None = None) -> None:
+        """``decode``, if given, replaces the package's kernel on the ``decode-kernel`` route: a
+        launcher with the signature of ``reference.paged_decode_attention``, ``(q, k_cache,
+        v_cache, block_tables, context_lens, scale) -> out`` (chapter 8's exercise plugs a
+        reader's kernel in here). Stores and prefills stay the package's."""
         self.route_counts: Counter[str] = Counter()
         self._fallback = batched.BatchedTorchBackend()
+        self.decode = decode
 
     @staticmethod
     def route(meta: AttentionMetadata) -> str:
@@ -111,6 +117,10 @@ class TritonBackend:
             logger.info("triton backend: %s", ROUTES[route])
         self.route_counts[route] += 1
         if route == "decode-kernel":
+            # >>> fold: a decode launcher given in place of the package's kernel
+            if self.decode is not None:
+                return self.decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+            # <<<
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                           scale, max_context_len=meta.max_context_len)
         if route == "prefill-sdpa":

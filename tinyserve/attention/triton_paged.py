@@ -92,8 +92,10 @@ def paged_decode_attention(
     """
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    # >>> fold: validation: q fits the cache
     if cache_head_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not fit a cache of {tuple(k_cache.shape)}")
+    # <<<
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
@@ -102,14 +104,18 @@ def paged_decode_attention(
     qk = q.to(k_cache.dtype)
     if qk.stride(-1) != 1:
         qk = qk.contiguous()
+    # >>> fold: validation: unit stride along head_dim
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the caches must be contiguous along head_dim")
+    # <<<
 
     group = num_heads // num_kv_heads
     head_dim_pad = next_pow2(head_dim, 16)
     tile = tile_tokens or default_tile_tokens(head_dim_pad)
+    # >>> fold: validation: a tile of 2^k >= 16 tokens
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile_tokens must be a power of two >= 16, got {tile}")
+    # <<<
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
     max_context_len = max(1, max_context_len)
