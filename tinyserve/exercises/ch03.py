@@ -26,7 +26,7 @@ from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, Sequence
 from tinyserve.sim import Request
 
 
-def _raised(e: Exception) -> str:
+def _call_raised(e: Exception) -> str:
     return f"raised {type(e).__name__}" + (f": {e}" if str(e) else "")
 
 
@@ -113,7 +113,7 @@ class _World:
             self.bm = cls(block_size, num_gpu, num_cpu, watermark)
         except Exception as e:  # the reader's constructor
             self.broken = True
-            self.record(f"{answer_name(cls, 'cls')}{config}", _raised(e))
+            self.record(f"{answer_name(cls, 'cls')}{config}", _call_raised(e))
 
     # -- what is observed ---------------------------------------------------------------------
 
@@ -141,7 +141,7 @@ class _World:
         try:
             value = fn(*args)
         except Exception as e:  # the reader's method: any error is what it did
-            self.record(call, _raised(e))
+            self.record(call, _call_raised(e))
             self.broken = True
             return None
         self.record(call, f"returned {show(value)}")

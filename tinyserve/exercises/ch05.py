@@ -351,7 +351,7 @@ def round_workloads() -> list[tuple[str, list[Request], SchedulerConfig, CacheCo
     return runs
 
 
-def _rounds(cls: type, requests: list[Request], sc: SchedulerConfig, cc: CacheConfig, hooks: dict,
+def _round_records(cls: type, requests: list[Request], sc: SchedulerConfig, cc: CacheConfig, hooks: dict,
             max_rounds: int) -> tuple[list, str | None]:
     """The simulator's rounds on ``cls(sc, cc, **hooks)``, kept as they happen, so that a run that
     raises (or never ends) still shows the rounds before it, with the error."""
@@ -451,7 +451,7 @@ def _culprits(cls: type, workload, expected: list) -> list[str]:
     for method in ROUND_METHODS:
         if getattr(cls, method) is getattr(Scheduler, method):
             continue
-        mine, error = _rounds(_with_only(cls, method), requests, sc, cc, hooks, 4 * len(expected) + 20)
+        mine, error = _round_records(_with_only(cls, method), requests, sc, cc, hooks, 4 * len(expected) + 20)
         if _difference(mine, error, expected) is not None:
             found.append(method)
     return found
@@ -474,12 +474,12 @@ def check_scheduler_round(cls: type) -> bool:
         print(f"✗ {name} overrides _schedule_mixed: that is chapter 04's round (orca_round); leave it to the package")
         return False
     workloads = round_workloads()
-    expected = {w[0]: _rounds(Scheduler, *w[1:], 10_000)[0] for w in workloads}
+    expected = {w[0]: _round_records(Scheduler, *w[1:], 10_000)[0] for w in workloads}
 
     failures = []
     for workload in workloads:
         want = expected[workload[0]]
-        mine, error = _rounds(cls, *workload[1:], 4 * len(want) + 20)
+        mine, error = _round_records(cls, *workload[1:], 4 * len(want) + 20)
         problem = _difference(mine, error, want)
         if problem is None:
             continue

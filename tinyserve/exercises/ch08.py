@@ -97,7 +97,7 @@ def random_spec(rng: random.Random) -> tuple:
             rng.choice([1, 2, 3, 64]))
 
 
-def _run(fn, case: DecodeCase, partition_blocks: int):
+def _run_launcher(fn, case: DecodeCase, partition_blocks: int):
     """The reader's output as float64 on the CPU, or the error text."""
     try:
         got = fn(*case.args, partition_blocks=partition_blocks)
@@ -131,7 +131,7 @@ def check_partitions(fn: Callable[..., torch.Tensor], specs: list[tuple], device
     for lens, block_size, num_kv_heads, group, head_dim, partition_blocks in specs:
         case = decode_case(lens, block_size, num_kv_heads, group, head_dim, gen, rng, device)
         where = f"{case.shown}, partition_blocks={partition_blocks}"
-        got, problem = _run(fn, case, partition_blocks)
+        got, problem = _run_launcher(fn, case, partition_blocks)
         if problem:
             failures.append(f"{where}: {problem}")
             continue
@@ -140,7 +140,7 @@ def check_partitions(fn: Callable[..., torch.Tensor], specs: list[tuple], device
         _, at = _worst(got, case)
         part = ""
         if math.ceil(case.width / partition_blocks) > 1:
-            whole, problem = _run(fn, case, case.width)  # the same batch, one partition per context
+            whole, problem = _run_launcher(fn, case, case.width)  # the same batch, one partition per context
             if whole is not None and torch.allclose(whole, case.want, atol=1e-5, rtol=1e-5):
                 part = (" -- with one partition per context it is right, so the split is wrong: the partitions' "
                         "block ranges, an empty partition's (max, sum, acc), or the reduction's rescaling")

@@ -71,7 +71,7 @@ def _expected_parts(case: dict, rank: int, k: int) -> dict:
     return {"gate_proj": gate, "up_proj": up, "h": F.silu(gate) * up}
 
 
-def _close(got, want: torch.Tensor) -> bool:
+def _mlp_close(got, want: torch.Tensor) -> bool:
     return (isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(want.shape)
             and torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4))
 
@@ -84,13 +84,13 @@ def _row_diagnosis(got: torch.Tensor, case: dict, h_r: torch.Tensor, rank: int, 
     """Why a rank's down_proj output is wrong, where it matches a known slip."""
     partial = h_r @ row_shard(case["down"].double(), rank, k).T
     bias = case["down_bias"]
-    if _close(got, partial) or (bias is not None and _close(got, partial + bias.double())):
+    if _mlp_close(got, partial) or (bias is not None and _mlp_close(got, partial + bias.double())):
         return ": it is this rank's partial sum alone (the all-reduce is missing, or its result is not used)"
     if bias is not None:
         total = mlp_reference(case) - bias.double()
-        if _close(got, total + k * bias.double()):
+        if _mlp_close(got, total + k * bias.double()):
             return f": the bias is counted {k} times (added on every rank before the all-reduce, not once after)"
-        if _close(got, total):
+        if _mlp_close(got, total):
             return ": the bias is missing"
     return ""
 
@@ -124,7 +124,7 @@ def _check_one(cls, case: dict, k: int, shown: str) -> list[str]:
             except Exception as e:
                 failures.append(f"{shown}: rank {r}'s {name}(x) raised {type(e).__name__}: {e}")
                 continue
-            if not _close(got, want):
+            if not _mlp_close(got, want):
                 weight = getattr(getattr(mlp, name), "weight", None)
                 held = f"; its .weight is {_shape(weight)}" if isinstance(weight, torch.Tensor) else ""
                 differ = ", values differ" if _shape(got) == _shape(want) else ""
@@ -141,7 +141,7 @@ def _check_one(cls, case: dict, k: int, shown: str) -> list[str]:
     except Exception as e:
         return [f"{shown}: down_proj(h_part) failed on {e}"]
     for r, got in enumerate(outs):
-        if not _close(got, want):
+        if not _mlp_close(got, want):
             why = _row_diagnosis(got, case, parts[r]["h"], r, k) if _shape(got) == _shape(want) else ""
             differ = ", values differ" if _shape(got) == _shape(want) else ""
             failures.append(f"{shown}: rank {r}'s down_proj(h_part) is {_shape(got)}{differ}, expected "
@@ -158,7 +158,7 @@ def _check_one(cls, case: dict, k: int, shown: str) -> list[str]:
     except Exception as e:
         return [f"{shown}: forward(x) failed on {e}"]
     for r, got in enumerate(outs):
-        if not _close(got, want):
+        if not _mlp_close(got, want):
             differ = ", values differ" if _shape(got) == _shape(want) else ""
             failures.append(f"{shown}: rank {r}'s forward(x) is {_shape(got)}{differ}, expected {tuple(want.shape)} "
                             "(down_proj(silu(gate_proj(x)) * up_proj(x)), as the unsharded MLP)")
