@@ -7,20 +7,37 @@ import torch
 from tinyserve.cache_engine import CacheEngine
 
 
-class PerLayerSwapCacheEngine(CacheEngine):
-    """A CacheEngine whose swap-out moves the blocks layer by layer, with one ``index_copy_`` per
-    layer and per K/V, through the per-layer views (the package moves every layer at once)."""
+class SwappingCacheEngine(CacheEngine):
+    """The package's pools (``__init__``, section 6.1) with the three block movements written out
+    layer by layer, through the per-layer views ``gpu_cache`` and ``cpu_cache``."""
 
     def swap_out(self, src_to_dst: dict[int, int]) -> None:
-        if not src_to_dst:
+        """Copy device block ``src`` into CPU block ``dst``, in every layer, K and V."""
+        self._copy_blocks(self.gpu_cache, self.cpu_cache, list(src_to_dst), list(src_to_dst.values()))
+
+    def swap_in(self, src_to_dst: dict[int, int]) -> None:
+        """Copy CPU block ``src`` into device block ``dst``, in every layer, K and V."""
+        self._copy_blocks(self.cpu_cache, self.gpu_cache, list(src_to_dst), list(src_to_dst.values()))
+
+    def copy(self, src_to_dsts: dict[int, list[int]]) -> None:
+        """Copy each device block ``src`` into every block of its ``dsts`` (copy-on-write)."""
+        # One source block may go to several destinations: repeat it once per destination.
+        pairs = [(src, dst) for src, dsts in src_to_dsts.items() for dst in dsts]
+        self._copy_blocks(self.gpu_cache, self.gpu_cache, [s for s, _ in pairs], [d for _, d in pairs])
+
+    @staticmethod
+    def _copy_blocks(src_pool, dst_pool, src: list[int], dst: list[int]) -> None:
+        if not src:  # most rounds move nothing
             return
-        src = torch.tensor(list(src_to_dst), dtype=torch.int64)
-        dst = torch.tensor(list(src_to_dst.values()), dtype=torch.int64)
-        for gpu_pair, cpu_pair in zip(self.gpu_cache, self.cpu_cache):
-            for gpu, cpu in zip(gpu_pair, cpu_pair):  # K, then V
-                # index_select copies, so the destination never aliases the source.
-                blocks = gpu.index_select(0, src.to(gpu.device))
-                cpu.index_copy_(0, dst, blocks.to(cpu.device))
+        for src_pair, dst_pair in zip(src_pool, dst_pool):
+            for src_cache, dst_cache in zip(src_pair, dst_pair):  # K, then V
+                # Each index lives where the tensor it indexes does (the GPU pool may be on CUDA).
+                src_index = torch.tensor(src, dtype=torch.int64, device=src_cache.device)
+                dst_index = torch.tensor(dst, dtype=torch.int64, device=dst_cache.device)
+                # index_select gathers into a new tensor, so no write can clobber a block still
+                # to be read; .to() carries it across the bus when the pools are on two devices.
+                blocks = src_cache.index_select(0, src_index).to(dst_cache.device)
+                dst_cache.index_copy_(0, dst_index, blocks)
 
 
 def max_seqs_in_budget(budget_bytes, seq_len, block_size, num_layers, num_kv_heads, head_dim, dtype_bytes):
