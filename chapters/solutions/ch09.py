@@ -4,34 +4,93 @@ from __future__ import annotations
 
 import torch
 
-from tinyserve.sampler import Sampler
+from tinyserve.attention.metadata import AttentionMetadata
+from tinyserve.model_runner import ModelInput
+from tinyserve.sampler import Sampler as PackageSampler
+from tinyserve.sampler import apply_min_p
 
 
-class NucleusSampler(Sampler):
-    """Top-p one row at a time: sort the row's probabilities, find with ``searchsorted`` where
-    their running sum reaches ``top_p``, and draw from the tokens up to there."""
+def prepare_inputs(groups, block_size, device="cpu"):
+    """Every scheduled sequence's new tokens back to back, no padding: positions
+    ``num_computed_tokens .. num_computed_tokens + token_chunk_size - 1`` of each."""
+    input_ids, positions, slots = [], [], []
+    query_lens, context_lens, tables = [], [], []
+    sample_indices, sample_seqs = [], []
+    for meta in groups:
+        for seq_id, seq in meta.seq_data.items():
+            table = meta.block_tables[seq_id]
+            start = seq.num_computed_tokens
+            end = start + meta.token_chunk_size
+            # get_token_ids, not the prompt's: a recomputed prompt brings its outputs too, and a
+            # decode's one token is the last one sampled.
+            input_ids += seq.get_token_ids()[start:end]
+            positions += range(start, end)
+            # Position p is at offset p % block_size of block table[p // block_size].
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            query_lens.append(end - start)
+            context_lens.append(end)  # attention reads the whole past, this round's tokens included
+            tables.append(table)
+            if meta.do_sample:  # a prefill chunk short of the prompt's end predicts nothing yet
+                sample_indices.append(len(input_ids) - 1)
+                sample_seqs.append((meta, seq))
+    return ModelInput(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        attn_metadata=AttentionMetadata.build(query_lens, context_lens, tables, slots, device=device),
+        sample_indices=torch.tensor(sample_indices, dtype=torch.long, device=device),
+        sample_seqs=sample_seqs,
+    )
+
+
+class Sampler(PackageSampler):
+    """One row at a time: the argmax for a greedy row; otherwise temperature, then the top-k and
+    top-p cut on the sorted probabilities, then one draw of all the row's samples. Section 9.7's
+    extras stay the package's: ``_adjust`` (min_tokens and the penalties) and ``apply_min_p``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        # Unseeded requests share this generator, seeded once: a run is reproducible as a whole.
+        self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits, requests):
+        if len(requests) != logits.shape[0]:
+            raise ValueError(f"{logits.shape[0]} rows of logits for {len(requests)} sample requests")
+        logits = self._adjust(logits, requests)  # a copy when it changes anything: the engine reads the originals
         results = []
         for row, request in zip(logits, requests):
             params = request.params
             if params.greedy:
                 results.append([int(row.argmax())] * request.num_samples)
                 continue
-            if params.top_k != -1:
-                raise ValueError("NucleusSampler does top-p only: top_k must be -1")
-            probs = torch.softmax(row.float() / params.temperature, dim=-1)
-            ranked, order = probs.sort(descending=True)
-            # The first rank whose running sum reaches top_p: it and every likelier token stay.
-            cut = int(torch.searchsorted(ranked.cumsum(0), torch.tensor([params.top_p], device=row.device)))
-            keep = order[:cut + 1]
-            nucleus = torch.zeros_like(probs)
-            nucleus[keep] = probs[keep]
-            nucleus /= nucleus.sum()
-            drawn = torch.multinomial(nucleus.cpu(), request.num_samples, replacement=True,
-                                      generator=request.generator or self.generator)
+            probs = self.distribution(row, params).cpu()
+            if not torch.isfinite(probs).all():  # this request fails alone; the others go on
+                results.append(ValueError("the next-token probabilities are not finite (NaN or inf in the logits)"))
+                continue
+            try:
+                drawn = torch.multinomial(probs, request.num_samples, replacement=True,
+                                          generator=request.generator or self.generator)
+            except RuntimeError as e:  # torch's own check of the distribution
+                results.append(e)
+                continue
             results.append(drawn.tolist())
         return results
+
+    @staticmethod
+    def distribution(row, params):
+        """The row's probabilities after temperature, top-k, top-p and min_p."""
+        scaled = row / params.temperature
+        if params.top_k != -1 or params.top_p < 1.0:
+            ranked, order = scaled.softmax(dim=-1).sort(descending=True)
+            keep = torch.ones_like(ranked, dtype=torch.bool)
+            if params.top_k != -1:
+                keep[params.top_k:] = False
+            # A token stays while the mass ranked before it is short of top_p; the likeliest always stays.
+            keep &= ranked.cumsum(dim=-1) - ranked < params.top_p
+            keep[0] = True
+            scaled = torch.full_like(scaled, float("-inf")).index_copy(0, order[keep], scaled[order[keep]])
+        if params.min_p > 0:
+            floor = torch.tensor([params.min_p], dtype=scaled.dtype, device=scaled.device)
+            scaled = apply_min_p(scaled[None], floor)[0]
+        return scaled.softmax(dim=-1)
 
 
 def apply_round(gpu, cpu, swap_out, swap_in, copy, writes):
