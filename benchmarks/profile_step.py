@@ -89,7 +89,6 @@ def fill(llm, batch: int, prompt_len: int, max_tokens: int) -> None:
 
 def profile(llm, steps: int) -> list[dict]:
     """Time ``steps`` decode steps part by part; one dict of seconds per step."""
-    import tinyserve.worker as worker_mod
     from tinyserve.models import llama
 
     engine = llm.engine
@@ -101,7 +100,7 @@ def profile(llm, steps: int) -> list[dict]:
     rows = []
     backend = model.backend
     with (timers.wrap(engine.scheduler, "schedule", "schedule"),
-          timers.wrap(worker_mod, "prepare_inputs", "prepare_inputs"),
+          timers.wrap(executor, "prepare_inputs", "prepare_inputs"),
           timers.wrap(model, "forward", "forward"),
           timers.wrap(model, "compute_logits", "lm_head"),
           timers.wrap(engine, "sampler", "sample"),

@@ -59,7 +59,6 @@ def time_decode_step(llm, num_seqs: int = 256, prompt_len: int = 64, rounds: int
     a scheduler of its own admits them and marks them computed, so the cache holds zeros where
     their K/V would be. A decode step costs the same either way; only the tokens differ.
     """
-    import tinyserve.worker as worker
     from tinyserve.sampler import SampleRequest
 
     engine = llm.engine
@@ -77,7 +76,7 @@ def time_decode_step(llm, num_seqs: int = 256, prompt_len: int = 64, rounds: int
         t1 = time.perf_counter()
         prepare: list[float] = []
         if r > 0:  # round 0 is the prefill: skipped, see above
-            with timing(worker, "prepare_inputs", prepare):
+            with timing(engine.executor, "prepare_inputs", prepare):  # the Worker packs with it
                 logits = engine.executor.execute_model(metas, {}, {}, {})
         t2 = time.perf_counter()
         tokens = engine.sampler(logits, [greedy] * len(metas)) if r > 0 else [[7]] * len(metas)

@@ -73,8 +73,6 @@ class TinyserveSystem:
         self.last_steps: list[dict] = []
 
     def run(self, w: Workload) -> RunResult:
-        import tinyserve.worker as worker
-
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in w.output_lens]
         from tinyserve.recording import HistoryRecorder
 
@@ -82,7 +80,7 @@ class TinyserveSystem:
         self.llm.engine.add_callback(recorder)
         prepare: list[float] = []
         try:
-            with timing(worker, "prepare_inputs", prepare):
+            with timing(self.llm.engine.executor, "prepare_inputs", prepare):
                 start = time.perf_counter()
                 outs = self.llm.generate(prompt_token_ids=w.prompts, sampling_params=params, use_tqdm=False)
                 seconds = time.perf_counter() - start
