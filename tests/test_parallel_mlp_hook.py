@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from tinyserve import LLM, SamplingParams
 from tinyserve.config import ModelConfig, ParallelConfig
-from tinyserve.lab.tp_mlp import ThreadGroup, WorkspaceMLP, generate_with_mlp, saved_mlp
+from tinyserve.exercises.tp_mlp import ThreadGroup, WorkspaceMLP, generate_with_mlp, saved_mlp
 from tinyserve.models.loader import build_model, random_state_dict
 from tinyserve.models.tiny import make_tiny_tokenizer, tiny_config
 from tinyserve.parallel import TensorParallelExecutor

@@ -9,7 +9,7 @@ from tinyserve.attention import reference
 from tinyserve.attention.metadata import AttentionMetadata
 from tinyserve.attention.triton_backend import TritonBackend
 from tinyserve.block import slot_mapping
-from tinyserve.lab import decode_engine
+from tinyserve.exercises import decode_engine
 
 
 def _batch(query_lens, context_lens, tables, seed=0):

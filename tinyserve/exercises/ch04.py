@@ -22,12 +22,11 @@ from collections.abc import Callable
 from tinyserve import presets
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.exercises.ch03 import answer_name
-from tinyserve.exercises.sched_runs import SimWorkload, check_runs, scheduler_run
+from tinyserve.exercises.sched_runs import SimWorkload, check_runs, round_run_difference, scheduler_run
 from tinyserve.exercises.verdict import checker, run_cases, verdict
 from tinyserve.scheduler import Scheduler, SchedulerOutputs
 from tinyserve.sequence import SequenceGroup
 from tinyserve.sim import Request, RoundRecord, make_record, simulate
-from tinyserve.workspace.so_far import round_difference
 
 AMPLE_CACHE = CacheConfig(block_size=16, num_gpu_blocks=4096, num_cpu_blocks=0, watermark=0.0)
 
@@ -145,9 +144,6 @@ ORCA_PARTS = {"_schedule_mixed": None, "_orca_decode": "_decode_running", "_orca
 # Chapter 05's round, and the entry point both rounds share: an orca_round must leave them alone, so
 # that it joins the reader's scheduler_round (a subclass of its own) by inheritance.
 NOT_THE_ORCA_ROUND = ("schedule", "_schedule_vllm", "_admit_waiting", "_decode_running", "_swap_in_swapped")
-# What a round record holds beyond round_difference's facts: the pieces a split prefill brought
-# and every block table (a forgotten slot shows there first).
-EXTRA_FACTS = ("chunk_sizes", "num_batched_tokens", "block_tables", "cpu_block_tables", "free_cpu_blocks")
 
 OrcaWorkload = tuple[str, list[Request], SchedulerConfig, CacheConfig, dict]  # (label, ..., Scheduler hooks)
 
@@ -231,22 +227,6 @@ def _recorded_rounds(cls: type, requests: list[Request], sc: SchedulerConfig, cc
     return records, None
 
 
-def _first_difference(mine: list[RoundRecord], error: str | None, expected: list[RoundRecord]) -> str | None:
-    """The first round and fact in which ``mine`` departs from ``expected``, or None."""
-    for a, b in zip(mine, expected):
-        problem = round_difference([a], [b])
-        for name in EXTRA_FACTS:
-            if problem is None and getattr(a, name) != getattr(b, name):
-                problem = f"round {a.round}: {name} {getattr(a, name)} instead of {getattr(b, name)}"
-        if problem:
-            return problem
-    if error:
-        return f"round {len(mine) + 1} raised {error}"
-    if len(mine) != len(expected):
-        return f"{len(mine)} rounds instead of {len(expected)}"
-    return None
-
-
 def _package_phases(self) -> SchedulerOutputs:
     """The package's round, calling the reader's phases by their exercise names."""
     out, budget = SchedulerOutputs(), self._new_budget()
@@ -277,7 +257,7 @@ def _parts_to_blame(cls: type, workload: OrcaWorkload, expected: list[RoundRecor
     found = []
     for part in _written(cls):
         mine, error = _recorded_rounds(_only_part_yours(cls, part), requests, sc, cc, hooks, 4 * len(expected) + 20)
-        if _first_difference(mine, error, expected) is not None:
+        if round_run_difference(mine, error, expected) is not None:
             found.append(part)
     return found
 
@@ -310,7 +290,7 @@ def check_orca_round(cls: type) -> bool:
     for workload in workloads:
         want, _ = _recorded_rounds(Scheduler, *workload[1:], 10_000)
         mine, error = _recorded_rounds(cls, *workload[1:], 4 * len(want) + 20)
-        problem = _first_difference(mine, error, want)
+        problem = round_run_difference(mine, error, want)
         if problem is None:
             continue
         parts = _parts_to_blame(cls, workload, want)

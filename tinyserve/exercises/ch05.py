@@ -26,12 +26,18 @@ from tinyserve.block import Device
 from tinyserve.block_manager import BlockSpaceManager
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.exercises.ch03 import answer_name
-from tinyserve.exercises.sched_runs import SimWorkload, check_runs, run_with_manager, scheduler_run, seed_workloads
+from tinyserve.exercises.sched_runs import (
+    SimWorkload,
+    check_runs,
+    round_run_difference,
+    run_with_manager,
+    scheduler_run,
+    seed_workloads,
+)
 from tinyserve.exercises.verdict import checker, run_cases, verdict
 from tinyserve.scheduler import Scheduler
 from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 from tinyserve.sim import Request, make_record, simulate
-from tinyserve.workspace.so_far import round_difference
 
 
 def _request_group(request_id: str, seq_id: int, prompt_len: int, block_size: int,
@@ -289,9 +295,6 @@ def check_cautious_swap_in(cls: type, num_cases: int = 150, seed: int = 0) -> bo
 # -- the vLLM round -------------------------------------------------------------------------------
 
 ROUND_METHODS = ("_schedule_vllm", "_admit_waiting", "_decode_running", "_swap_in_swapped")
-# What a round record holds beyond round_difference's facts: the pieces a split prefill brought
-# and every block table (a forgotten slot shows there first).
-MORE_FACTS = ("chunk_sizes", "num_batched_tokens", "block_tables", "cpu_block_tables", "free_cpu_blocks")
 
 
 def _fewest_running(group: SequenceGroup, budget, block_manager) -> bool:
@@ -423,22 +426,6 @@ def _tracebacks(tb):
         tb = tb.tb_next
 
 
-def _difference(mine: list, error: str | None, expected: list) -> str | None:
-    """The first round and fact in which ``mine`` departs from ``expected``, or None."""
-    for a, b in zip(mine, expected):
-        problem = round_difference([a], [b])
-        for name in MORE_FACTS:
-            if problem is None and getattr(a, name) != getattr(b, name):
-                problem = f"round {a.round}: {name} {getattr(a, name)} instead of {getattr(b, name)}"
-        if problem:
-            return problem
-    if error:
-        return f"round {len(mine) + 1} raised {error}"
-    if len(mine) != len(expected):
-        return f"{len(mine)} rounds instead of {len(expected)}"
-    return None
-
-
 def _with_only(cls: type, method: str) -> type:
     """``cls`` with the package's versions of every round method but ``method``."""
     return type(f"only_your_{method}", (cls,), {m: getattr(Scheduler, m) for m in ROUND_METHODS if m != method})
@@ -452,7 +439,7 @@ def _culprits(cls: type, workload, expected: list) -> list[str]:
         if getattr(cls, method) is getattr(Scheduler, method):
             continue
         mine, error = _round_records(_with_only(cls, method), requests, sc, cc, hooks, 4 * len(expected) + 20)
-        if _difference(mine, error, expected) is not None:
+        if round_run_difference(mine, error, expected) is not None:
             found.append(method)
     return found
 
@@ -480,7 +467,7 @@ def check_scheduler_round(cls: type) -> bool:
     for workload in workloads:
         want = expected[workload[0]]
         mine, error = _round_records(cls, *workload[1:], 4 * len(want) + 20)
-        problem = _difference(mine, error, want)
+        problem = round_run_difference(mine, error, want)
         if problem is None:
             continue
         stuck = bool(error) and error.startswith("RunTooLong")

@@ -163,7 +163,7 @@ def check_decode_kernel(fn: Callable[..., torch.Tensor], num_random: int = 4, se
     The last case runs s0/s1/s2 through the engine on the tiny model with
     ``TritonBackend(decode=fn)`` and compares its greedy tokens with the package's kernel's
     (only when the other cases pass); ``show`` prints both runs."""
-    from tinyserve.lab import decode_engine
+    from tinyserve.exercises import decode_engine
 
     rng = random.Random(seed)
     specs = FIXED + [random_spec(rng) for _ in range(num_random)]

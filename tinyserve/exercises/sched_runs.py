@@ -16,6 +16,7 @@ from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.exercises.verdict import run_cases
 from tinyserve.scheduler import Scheduler
 from tinyserve.sim import Request, RoundRecord, format_rounds, simulate
+from tinyserve.workspace.so_far import round_difference
 
 SAME = "the same rounds"
 
@@ -58,6 +59,28 @@ def first_difference(mine: list[RoundRecord], expected: list[RoundRecord], table
     if len(mine) != len(expected):
         return f"{len(mine)} rounds instead of {len(expected)}"
     return SAME
+
+
+# What the round checkers of chapters 04 and 05 compare beyond round_difference's facts: what
+# each member brought, the batch's tokens and both pools' tables.
+ROUND_FACTS = ("chunk_sizes", "num_batched_tokens", "block_tables", "cpu_block_tables", "free_cpu_blocks")
+
+
+def round_run_difference(mine: list[RoundRecord], error: str | None, expected: list[RoundRecord]) -> str | None:
+    """The first round and fact in which the reader's run ``mine`` (cut short by ``error``, if
+    any) departs from ``expected``, or None."""
+    for a, b in zip(mine, expected):
+        problem = round_difference([a], [b])
+        for name in ROUND_FACTS:
+            if problem is None and getattr(a, name) != getattr(b, name):
+                problem = f"round {a.round}: {name} {getattr(a, name)} instead of {getattr(b, name)}"
+        if problem:
+            return problem
+    if error:
+        return f"round {len(mine) + 1} raised {error}"
+    if len(mine) != len(expected):
+        return f"{len(mine)} rounds instead of {len(expected)}"
+    return None
 
 
 def format_block_tables(records: list[RoundRecord]) -> str:
