@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from tinyserve.exercises.verdict import checker, run_cases, verdict
 from tinyserve.exercises.tp_mlp import ThreadGroup
+from tinyserve.exercises.verdict import checker, run_cases, verdict
 from tinyserve.models.sharding import column_shard, row_shard
 from tinyserve.parallel import shard_shapes, weight_bytes_per_rank
 

@@ -124,7 +124,8 @@ def capstone(model=None, *, quiet: bool = False) -> Capstone:
     if not quiet:
         print(report)
         for name in workloads():
-            print(f"\n{name} ({preemptions[name]} preemptions in your run):")
+            n = preemptions[name]
+            print(f"\n{name} ({n} preemption{'' if n == 1 else 's'} in your run):")
             print(_table([r for r in rows if r.workload == name]))
         same = sum(r.same for r in rows)
         verdict = "identical to the package's" if ok else "not identical"
