@@ -9,7 +9,7 @@
   sequence and query head with the largest error, and runs the same batch again with one
   partition per context to say whether the walk or the reduction is wrong. The last case runs
   s0/s1/s2 through the real engine with ``TritonBackend(decode=fn)`` on the tiny model, against
-  the package's kernel (``lab.decode_engine``).
+  the package's kernel (``exercises.decode_engine``).
 
 Without CUDA the kernels run in Triton's interpreter, on the CPU; with CUDA they compile and the
 cases run on the GPU (``kernel_device``).

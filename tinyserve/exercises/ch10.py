@@ -2,7 +2,7 @@
 
 - ``check_parallel_mlp``: the reader's tensor-parallel MLP (gate and up column-parallel, down
   row-parallel with the all-reduce), sharded over 1, 2 and 4 ranks run as threads
-  (``lab.tp_mlp.ThreadGroup``), against the unsharded MLP on random weights and inputs: each
+  (``exercises.tp_mlp.ThreadGroup``), against the unsharded MLP on random weights and inputs: each
   projection on each rank (naming the rank, the shard and the projection), then the forward pass.
 - ``check_shard_shapes``: the shapes of one rank's q/k/v, o, gate/up and down matrices, against
   ``parallel.shard_shapes`` (which the tests hold to the real sharded model's parameters).
