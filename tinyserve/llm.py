@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import reprlib
+import time
 
 import torch
 from tqdm.auto import tqdm
@@ -90,12 +91,21 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        # As vLLM's: throughput so far, input and output tokens per second, and no ETA (which,
+        # extrapolated from the first request to finish, says minutes for a batch of seconds).
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, dynamic_ncols=True,
+                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+        start, tokens_in, tokens_out = time.perf_counter(), 0, 0
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished and out.request_id not in done:
                         done[out.request_id] = out
+                        tokens_in += len(out.prompt_token_ids)
+                        tokens_out += sum(len(o.token_ids) for o in out.outputs)
+                        seconds = max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(f"input {tokens_in / seconds:.1f} tok/s, output "
+                                            f"{tokens_out / seconds:.1f} tok/s", refresh=False)
                         bar.update(1)
         except BaseException:
             self.engine.abort_request([i for i in ids if i not in done])
