@@ -602,6 +602,26 @@ def test_metrics_follow_the_engine_and_read_zero_when_idle(served):
     assert after["tinyserve:num_preemptions_total"] == before["tinyserve:num_preemptions_total"]  # a roomy cache
 
 
+LATENCIES = ("tinyserve:time_to_first_token_seconds", "tinyserve:time_per_output_token_seconds",
+             "tinyserve:e2e_request_latency_seconds")
+
+
+def test_the_server_exports_the_histograms_after_a_completion(served):
+    llm, server, _, _ = served
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        wait_until_idle(llm.engine)
+        before = scrape(client)
+        assert client.post("/v1/completions", json=completion(PROMPTS[1])).status_code == 200
+        wait_until_idle(llm.engine)
+        after = scrape(client)
+    gained = {name: after[name + "_count"] - before[name + "_count"] for name in LATENCIES}
+    assert gained == {LATENCIES[0]: 1, LATENCIES[1]: MAX_TOKENS - 1, LATENCIES[2]: 1}
+    e2e = after[LATENCIES[2] + "_sum"] - before[LATENCIES[2] + "_sum"]
+    first = after[LATENCIES[0] + "_sum"] - before[LATENCIES[0] + "_sum"]
+    rest = after[LATENCIES[1] + "_sum"] - before[LATENCIES[1] + "_sum"]
+    assert 0 < first < e2e and abs(first + rest - e2e) < 1e-6  # the pieces add up to the whole
+
+
 # -- the command line ----------------------------------------------------------------------------
 
 def test_swap_space_flag_reaches_the_engine(monkeypatch):

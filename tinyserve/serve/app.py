@@ -35,6 +35,7 @@ from tinyserve.serve.chat import check_message_count, prompt_ids
 from tinyserve.serve.choices import ChoiceFormat, token_texts
 from tinyserve.serve.connections import uvicorn_options
 from tinyserve.serve.guard import Guard
+from tinyserve.serve.latency import RequestLatencies
 from tinyserve.serve.loop import EngineLoop
 from tinyserve.serve.mailbox import Mailbox
 from tinyserve.serve.metrics import EngineStats, make_registry
@@ -75,7 +76,7 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state["tokenize"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinyserve-tokenize")
-        state["loop"] = EngineLoop(engine)
+        state["loop"] = EngineLoop(engine, latencies)
         state["loop"].start()
         yield
         await state.pop("loop").stop()
@@ -89,6 +90,7 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
     app.state.engine, app.state.tokenizer, app.state.limits = engine, tokenizer, limits
     app.state.settings = settings
     registry = make_registry(lambda: state["loop"].stats if "loop" in state else EngineStats())
+    latencies = RequestLatencies(registry)  # time to first token, per output token, end to end
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tinyserve.engine import LLMEngine, RequestOutput
 from tinyserve.sequence import SamplingParams
+from tinyserve.serve.latency import RequestLatencies
 from tinyserve.serve.mailbox import Mailbox
 from tinyserve.serve.metrics import EngineStats, snapshot
 
@@ -30,8 +31,11 @@ log = logging.getLogger("tinyserve.serve")
 class EngineLoop:
     """Steps the engine in the background and leaves each request's outputs in its mailbox."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, latencies: RequestLatencies | None = None) -> None:
         self.engine = engine
+        self.latencies = latencies  # observed for /metrics, if given
+        if latencies is not None:
+            engine.add_callback(latencies.stepped)
         self.lock = asyncio.Lock()  # held while the engine steps or a request is added
         self.stats: EngineStats = snapshot(engine)  # the latest, for /metrics
         self._mailboxes: dict[str, Mailbox] = {}
@@ -70,6 +74,8 @@ class EngineLoop:
             await asyncio.get_running_loop().run_in_executor(
                 self._executor, self.engine.add_request, request_id, None, params, prompt_token_ids)
             self._mailboxes[request_id] = mailbox
+            if self.latencies is not None:
+                self.latencies.added(request_id)
             self.stats = snapshot(self.engine)
         self._wake.set()
         return mailbox
@@ -78,6 +84,8 @@ class EngineLoop:
         """Synchronous on purpose: it is called from cancelled handlers, which cannot await."""
         if self._mailboxes.pop(request_id, None) is not None:
             self._to_abort.add(request_id)
+            if self.latencies is not None:
+                self.latencies.dropped(request_id)
             self._wake.set()
 
     async def _run(self) -> None:
@@ -117,8 +125,10 @@ class EngineLoop:
         except Exception:
             log.exception("aborting the failed requests failed too")
         self._to_abort.clear()
-        for mailbox in self._mailboxes.values():
+        for request_id, mailbox in self._mailboxes.items():
             mailbox.fail(error)
+            if self.latencies is not None:
+                self.latencies.dropped(request_id)
         self._mailboxes.clear()
 
     async def stop(self) -> None:
@@ -132,4 +142,6 @@ class EngineLoop:
             mailbox.fail(RuntimeError("the server is shutting down"))
         self._mailboxes.clear()
         self.stats = snapshot(self.engine)
+        if self.latencies is not None:
+            self.engine.remove_callback(self.latencies.stepped)
         self._executor.shutdown(wait=True)
