@@ -47,6 +47,21 @@ def test_scheduler_config_accepts_every_policy_and_preemption_mode(policy, mode)
     assert (s.policy, s.preemption_mode) == (policy, mode)
 
 
+@pytest.mark.parametrize("mode", ["recompute", None])
+def test_v1_preempts_by_recompute_and_chunks_by_default(mode):
+    s = SchedulerConfig(policy="v1", preemption_mode=mode)
+    assert (s.preemption_mode, s.enable_chunked_prefill) == ("recompute", True)
+    assert SchedulerConfig(policy="v1", enable_chunked_prefill=False).enable_chunked_prefill is False
+    assert SchedulerConfig(policy="vllm").enable_chunked_prefill is False
+
+
+def test_v1_refuses_swap_and_a_negative_threshold():
+    with pytest.raises(ValueError, match="recompute only"):
+        SchedulerConfig(policy="v1", preemption_mode="swap")
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(policy="v1", long_prefill_token_threshold=-1)
+
+
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"max_num_seqs": 0}, "max_num_seqs"),
     ({"max_num_seqs": -3}, "max_num_seqs"),

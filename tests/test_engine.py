@@ -29,13 +29,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 def make_engine(loaded, *, block_size=16, num_gpu_blocks=256, num_cpu_blocks=64, policy="vllm",
                 preemption_mode=None, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=None,
-                backend="torch", watermark=0.01, seed=0, record_history=False) -> LLMEngine:
+                backend="torch", watermark=0.01, seed=0, record_history=False,
+                enable_prefix_caching=None) -> LLMEngine:
     worker = Worker(ModelConfig(model=str(loaded.path), device="cpu", dtype="float32", seed=seed),
                     attention_backend=backend, loaded=loaded)
     return LLMEngine(
         ModelConfig(model=str(loaded.path), device="cpu", dtype="float32", seed=seed),
         CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-                    watermark=watermark),
+                    watermark=watermark,
+                    # As LLM defaults it: on under policy="v1", as vLLM V1 has it.
+                    enable_prefix_caching=policy == "v1" if enable_prefix_caching is None else enable_prefix_caching),
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, policy=policy, preemption_mode=preemption_mode),
         executor=worker, record_history=record_history,
@@ -110,8 +113,8 @@ def unconstrained(tiny_loaded):
     return run_all(make_engine(tiny_loaded), PROMPTS, GREEDY)
 
 
-@pytest.mark.parametrize("policy", ["vllm", "orca"])
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize(("policy", "mode"), [("vllm", "recompute"), ("vllm", "swap"), ("orca", "recompute"),
+                                              ("orca", "swap"), ("v1", "recompute")])
 def test_tiny_block_pool_preempts_without_changing_output(tiny_loaded, unconstrained, policy, mode):
     # 7 blocks of 8 tokens for six sequences that each grow to 25-33 tokens: constant preemption.
     engine = make_engine(tiny_loaded, block_size=8, num_gpu_blocks=7, num_cpu_blocks=32, policy=policy,
@@ -133,12 +136,12 @@ def test_block_size_does_not_change_output(tiny_loaded, unconstrained, block_siz
     assert_no_leaks(engine)
 
 
-@pytest.mark.parametrize("policy", ["vllm", "orca"])
+@pytest.mark.parametrize("policy", ["vllm", "orca", "v1"])
 def test_requests_arriving_mid_run_get_the_same_tokens(tiny_loaded, unconstrained, policy):
     engine = make_engine(tiny_loaded, policy=policy, num_gpu_blocks=12, block_size=8, max_model_len=96,
-                         preemption_mode="swap", watermark=0.0, record_history=True)
+                         preemption_mode=None if policy == "v1" else "swap", watermark=0.0, record_history=True)
     assert run_all(engine, PROMPTS, GREEDY, arrivals=[0, 0, 3, 5, 5, 9]) == unconstrained
-    if policy == "orca":
+    if policy != "vllm":
         assert any(r.phase == "mixed" for r in engine.history)
     assert_no_leaks(engine)
 

@@ -16,10 +16,10 @@ LAYERS = [
     ["config"],
     ["sequence", "sampling_params"],
     ["block", "block_manager", "prefix_cache"],
-    # The Scheduler class and its parts (split_prefill, preemption, refusals, postprocess), what a
-    # round decides (scheduler_outputs), and what runs it without a model.
-    ["scheduler", "scheduler_outputs", "split_prefill", "preemption", "refusals", "postprocess", "sim", "presets",
-     "recording"],
+    # The Scheduler class and its parts (split_prefill, v1_round, preemption, refusals, postprocess),
+    # what a round decides (scheduler_outputs), and what runs it without a model.
+    ["scheduler", "scheduler_outputs", "split_prefill", "v1_round", "preemption", "refusals", "postprocess", "sim",
+     "presets", "recording"],
     ["cache_engine"],
     ["attention"],
     ["models"],

@@ -182,8 +182,9 @@ def test_blocks_filled_by_decoding_are_cached_too(tiny_loaded):
     assert_no_leaks(engine)
 
 
-@pytest.mark.parametrize("policy,chunked", [("vllm", False), ("orca", False), ("vllm", True)])
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("policy,chunked,mode",
+                         [(p, c, m) for p, c in [("vllm", False), ("orca", False), ("vllm", True)]
+                          for m in ("recompute", "swap")] + [("v1", True, "recompute")])
 def test_a_small_cache_evicts_and_preempts_without_changing_tokens(tiny_loaded, reference, policy, chunked, mode):
     # 22 blocks of 8: enough for three of these requests at once, so the second wave preempts,
     # and cached blocks are evicted to make room.
@@ -333,8 +334,9 @@ def shared_prefix_workloads(draw):
     num_gpu_blocks = draw(st.integers(-(-longest // block_size), 3 * -(-longest // block_size)))
     sc = SchedulerConfig(max_num_batched_tokens=draw(st.integers(8, 64)) if chunked else max(longest, 8),
                          max_num_seqs=draw(st.integers(1, 8)), max_model_len=longest,
-                         policy=draw(st.sampled_from(["vllm", "orca"])),
-                         preemption_mode=draw(st.sampled_from(["swap", "recompute", None])),
+                         policy=(policy := draw(st.sampled_from(["vllm", "orca", "v1"]))),
+                         preemption_mode=draw(st.sampled_from(["recompute", None] if policy == "v1"
+                                                              else ["swap", "recompute", None])),
                          enable_chunked_prefill=chunked)
     cc = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=2 * num_gpu_blocks,
                      watermark=0.0, enable_prefix_caching=True)

@@ -164,6 +164,31 @@ class BlockSpaceManager:
         for block in table:
             block.ref_count += 1
 
+    # -- growth a chunk at a time (policy="v1") -----------------------------------------------
+
+    def num_blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
+        """Free GPU blocks it takes to make ``seq``'s table hold its first ``num_tokens`` tokens.
+
+        vLLM V1 allocates only the blocks of the tokens a step computes (``allocate_slots``),
+        where v0.4 allocates a whole prompt at admission and one slot per decode."""
+        return max(0, self._num_blocks(num_tokens) - len(self.block_tables.get(seq.seq_id, [])))
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.num_blocks_to_grow(seq, num_tokens) <= self.gpu_allocator.get_num_free_blocks()
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Append GPU blocks to ``seq``'s table (a new table if it has none) until it holds
+        ``num_tokens`` tokens."""
+        table = self.block_tables.setdefault(seq.seq_id, [])
+        table.extend(self._new_blocks(seq, len(table), self._num_blocks(num_tokens)))
+
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _new_blocks(self, seq: Sequence, start: int, stop: int) -> BlockTable:
+        """Fresh GPU blocks for logical blocks ``start`` to ``stop - 1`` of ``seq``."""
+        return [self.gpu_allocator.allocate() for _ in range(start, stop)]
+
     # -- swapping --------------------------------------------------------------------------
 
     def _physical_blocks(self, seq_group: SequenceGroup) -> list[PhysicalTokenBlock]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICIES = ("vllm", "orca")
+POLICIES = ("vllm", "orca", "v1")
 PREEMPTION_MODES = ("swap", "recompute", None)
 COMPAT_MODES = ("tinyserve", "vllm-0.4")
 
@@ -50,7 +50,11 @@ class CacheConfig:
 class SchedulerConfig:
     """Budgets of one scheduling round and the policy that fills it.
 
-    ``policy="vllm"`` never mixes prefill and decode in a round; ``"orca"`` does.
+    ``policy="vllm"`` never mixes prefill and decode in a round; ``"orca"`` does; ``"v1"`` fills
+    one token budget as vLLM V1 does (see ``tinyserve.v1_round``), chunking prompts unless
+    ``enable_chunked_prefill=False`` (None, the default, means on for v1 and off otherwise, as
+    in vLLM) and preempting by recompute. ``long_prefill_token_threshold`` (V1's setting; 0 means
+    none) caps one prefill chunk under v1.
     ``preemption_mode=None`` follows vLLM's rule: recompute a group with one sequence, swap a
     group with several (their shared blocks would be expensive to rebuild).
     ``compat="vllm-0.4"`` makes the scheduler and block manager follow vLLM v0.4.0's runtime
@@ -62,20 +66,23 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "vllm"
     preemption_mode: str | None = None
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: bool | None = None
     compat: str = "tinyserve"
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_model_len", self.max_model_len)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.enable_chunked_prefill is None:
+            self.enable_chunked_prefill = self.policy == "v1"
         if self.max_num_batched_tokens is None:
             # Like vLLM: without chunking a round must fit one full-length prompt; with chunking a
             # small budget keeps every round short, so decodes never wait long behind a prompt.
             self.max_num_batched_tokens = (max(512, self.max_num_seqs) if self.enable_chunked_prefill
                                            else max(self.max_model_len, 2048))
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -83,6 +90,14 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_num_seqs "
                 f"({self.max_num_seqs}): a decode round of max_num_seqs sequences would not fit the budget"
             )
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be a non-negative integer (0: no cap), "
+                             f"got {self.long_prefill_token_threshold!r}")
+        if self.policy == "v1":
+            if self.preemption_mode == "swap":
+                raise ValueError("policy='v1' preempts by recompute only, as vLLM V1 does: "
+                                 "preemption_mode must be None or 'recompute'")
+            self.preemption_mode = "recompute"
         if self.compat not in COMPAT_MODES:
             raise ValueError(f"compat must be one of {COMPAT_MODES}, got {self.compat!r}")
         if self.compat == "vllm-0.4" and (self.policy != "vllm" or self.enable_chunked_prefill):

@@ -31,6 +31,8 @@ class LLM:
     """Offline generation with the engine, as ``vllm.LLM`` offers it.
 
     ``max_model_len=None`` is the model's own limit (read from its config, not its weights).
+    ``enable_prefix_caching`` and ``enable_chunked_prefill`` left None are on under
+    ``policy="v1"`` and off otherwise, as vLLM V1 and v0.4 default them.
     ``attention_backend`` is a name ("auto", "torch", "torch-batched", "triton") or a backend
     object (two methods, see ``tinyserve.attention.backend``) that then runs in every attention
     layer of the real engine. ``scheduler`` (a Scheduler class or factory), ``cache_engine`` (a
@@ -44,7 +46,7 @@ class LLM:
                  watermark: float = 0.01, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, policy: str = "vllm", preemption_mode: str | None = None,
                  attention_backend: BackendSpec = "auto", tensor_parallel_size: int = 1, seed: int = 0,
-                 enable_prefix_caching: bool = False, enable_chunked_prefill: bool = False,
+                 enable_prefix_caching: bool | None = None, enable_chunked_prefill: bool | None = None,
                  gpu_memory_utilization: float = 0.9, swap_space: float = 1.0, record_history: bool = False,
                  compat: str = "tinyserve", cache_engine=None, sampler=None, scheduler=None,
                  prepare_inputs=None) -> None:
@@ -52,7 +54,8 @@ class LLM:
         check_backend(attention_backend)  # refused before any weights are read
         cache_config = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                                    num_cpu_blocks=num_cpu_blocks, watermark=watermark,
-                                   enable_prefix_caching=enable_prefix_caching)
+                                   enable_prefix_caching=(policy == "v1" if enable_prefix_caching is None
+                                                          else enable_prefix_caching))
         scheduler_config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                                            max_model_len=max_model_len_for(model_config), policy=policy,
                                            preemption_mode=preemption_mode,

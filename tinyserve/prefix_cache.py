@@ -140,11 +140,25 @@ class PrefixCachingBlockSpaceManager(BlockSpaceManager):
         self._cpu_hash: dict[int, int] = {}  # CPU block number -> the name of what it holds
 
     def _prompt_blocks(self, seq: Sequence) -> BlockTable:
-        """Each full block of the prompt is asked for by name (a hit shares the cached block);
-        the partial last block, which has no name yet, is a fresh one."""
-        hashes = prefix_hashes(seq.get_token_ids(), self.block_size)
+        return self._new_blocks(seq, 0, seq.n_blocks)
+
+    def num_blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
+        """As the plain manager's, less the full blocks another request already holds by name
+        (a hit in the evictor still takes a block off the free count)."""
+        table = self.block_tables.get(seq.seq_id, [])
+        held = 0
+        for i, h in enumerate(prefix_hashes(seq.get_token_ids()[: self._num_blocks(num_tokens) * self.block_size],
+                                            self.block_size)):
+            block = self.gpu_allocator.lookup(h) if i >= len(table) else None
+            held += block is not None and block.ref_count > 0
+        return super().num_blocks_to_grow(seq, num_tokens) - held
+
+    def _new_blocks(self, seq: Sequence, start: int, stop: int) -> BlockTable:
+        """Each full block of the prompt (or of the tokens so far) is asked for by name, so a hit
+        shares the cached block; a partial last block, which has no name yet, is a fresh one."""
+        hashes = prefix_hashes(seq.get_token_ids()[: stop * self.block_size], self.block_size)
         return [self.gpu_allocator.allocate(hashes[i]) if i < len(hashes) else self.gpu_allocator.allocate()
-                for i in range(seq.n_blocks)]
+                for i in range(start, stop)]
 
     def num_cached_tokens(self, seq: Sequence) -> int:
         """Leading prompt tokens whose K/V already sits in computed cached blocks.

@@ -6,7 +6,7 @@ The scheduler owns three queues of SequenceGroups:
 - ``running``: their K/V is on the GPU, they take part in rounds;
 - ``swapped``: preempted by swapping; their K/V sits in CPU swap space.
 
-Two policies fill a round under one ``SchedulingBudget`` (``max_num_seqs`` sequences,
+Three policies fill a round under one ``SchedulingBudget`` (``max_num_seqs`` sequences,
 ``max_num_batched_tokens`` tokens):
 
 - ``"vllm"`` (vLLM v0.4): a round is either all prefill or all decode. Waiting prompts are
@@ -15,6 +15,8 @@ Two policies fill a round under one ``SchedulingBudget`` (``max_num_seqs`` seque
   cache cannot give a group its next slot, the newest running group is preempted. Swapped
   groups come back when nothing was preempted in the round.
 - ``"orca"``: one batch mixes decodes of running groups with prefills of newly arrived ones.
+- ``"v1"`` (vLLM V1): one token budget, running groups first, blocks allocated a step at a time,
+  preemption by recompute, admission only in a step that preempted nobody (``v1_round.py``).
 
 The Scheduler class is written in parts, one idea to a module: the round itself (here), prefills
 split over rounds (``split_prefill.py``), preemption (``preemption.py``), refusing what can never
@@ -53,6 +55,7 @@ from tinyserve.refusals import RefusalMixin
 from tinyserve.scheduler_outputs import PreemptionMode, ScheduledSequenceGroup, SchedulerOutputs, SchedulingBudget
 from tinyserve.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 from tinyserve.split_prefill import SplitPrefillMixin
+from tinyserve.v1_round import V1RoundMixin
 
 __all__ = ["PreemptionMode", "ScheduledSequenceGroup", "Scheduler", "SchedulerOutputs", "SchedulingBudget",
            "preempt_newest"]
@@ -60,7 +63,7 @@ __all__ = ["PreemptionMode", "ScheduledSequenceGroup", "Scheduler", "SchedulerOu
 AdmissionRule = Callable[[SequenceGroup, SchedulingBudget, BlockSpaceManager], bool]
 
 
-class Scheduler(SplitPrefillMixin, PreemptionMixin, RefusalMixin, PostprocessMixin):
+class Scheduler(SplitPrefillMixin, V1RoundMixin, PreemptionMixin, RefusalMixin, PostprocessMixin):
     """Decides every round which groups run, keeping the block tables through a BlockSpaceManager.
 
     Hooks (all optional): ``block_manager`` replaces the one built from ``cache_config``.
@@ -101,7 +104,7 @@ class Scheduler(SplitPrefillMixin, PreemptionMixin, RefusalMixin, PostprocessMix
 
     @property
     def mixes_phases(self) -> bool:
-        return self.scheduler_config.policy == "orca" or self.scheduler_config.enable_chunked_prefill
+        return self.scheduler_config.policy in ("orca", "v1") or self.scheduler_config.enable_chunked_prefill
 
     # -- queue management ------------------------------------------------------------------
 
@@ -178,6 +181,10 @@ class Scheduler(SplitPrefillMixin, PreemptionMixin, RefusalMixin, PostprocessMix
         return out
 
     def _schedule_mixed(self) -> SchedulerOutputs:
+        # >>> chapter 13: the v1 round
+        if self.scheduler_config.policy == "v1":
+            return self._schedule_v1()
+        # <<<
         out, budget = SchedulerOutputs(), self._new_budget()
         self._decode_running(out, budget)
         if not out.preempted:
