@@ -15,6 +15,7 @@ from tinyserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from tinyserve.engine import LLMEngine
 from tinyserve.sampler import Sampler, SampleRequest, apply_top_k_top_p
 from tinyserve.sampling_params import SamplingParams
+from tinyserve.sequence import Sequence
 from tinyserve.worker import Worker
 
 PROMPTS = ["Hello, my name is", "The future of AI is", "The life is", "In a small village by the sea, an old man"]
@@ -387,11 +388,33 @@ def test_bad_values_are_refused_naming_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
-def test_prompt_logprobs_with_prefix_caching_is_refused_by_name(tiny_loaded):
-    mc = ModelConfig(model=str(tiny_loaded.path), device="cpu", dtype="float32")
-    engine = LLMEngine(mc, CacheConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8, enable_prefix_caching=True),
-                       SchedulerConfig(max_model_len=64), executor=Worker(mc, attention_backend="torch",
-                                                                          loaded=tiny_loaded))
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        engine.add_request("r", PROMPTS[0], SamplingParams(prompt_logprobs=1))
-    assert not engine.has_unfinished_requests()
+def test_prompt_logprobs_with_prefix_caching_skip_the_cache(tiny_loaded):
+    # As vLLM V1: a request that asks for prompt logprobs takes no prefix hit, so every position
+    # has its logits, and they equal those of an engine without the cache.
+    def engine(prefix: bool) -> LLMEngine:
+        mc = ModelConfig(model=str(tiny_loaded.path), device="cpu", dtype="float32")
+        return LLMEngine(mc, CacheConfig(block_size=4, num_gpu_blocks=32, num_cpu_blocks=8,
+                                         enable_prefix_caching=prefix),
+                         SchedulerConfig(max_model_len=64), executor=Worker(mc, attention_backend="torch",
+                                                                            loaded=tiny_loaded))
+
+    params = SamplingParams(prompt_logprobs=1, max_tokens=2, temperature=0.0)
+
+    def prompt_logprobs(e: LLMEngine, rid: str):
+        e.add_request(rid, PROMPTS[0], params)
+        while e.has_unfinished_requests():
+            for out in e.step():
+                if out.finished and out.request_id == rid:
+                    return out.prompt_logprobs
+        raise AssertionError(f"{rid} never finished")
+
+    cached = engine(True)
+    first = prompt_logprobs(cached, "a")
+    again = prompt_logprobs(cached, "b")  # the prompt's blocks are in the cache now
+    assert cached.scheduler.block_manager.num_cached_tokens(
+        Sequence(0, None, cached.tokenizer.encode(PROMPTS[0]), 4)) > 0
+    plain = prompt_logprobs(engine(False), "c")
+    assert len(plain) == len(cached.tokenizer.encode(PROMPTS[0]))
+    assert [list(p or {}) for p in again] == [list(p or {}) for p in plain] == [list(p or {}) for p in first]
+    for a, b in zip(again[1:], plain[1:]):
+        assert all(abs(a[t] - b[t]) < 1e-4 for t in b)

@@ -128,10 +128,6 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty (no tokens)")
         check_token_ids("stop_token_ids", sampling_params.stop_token_ids, self.vocab_size)
-        if sampling_params.prompt_logprobs is not None and self.cache_config.enable_prefix_caching:
-            # A cached prefix is never computed again, so its positions would have no logits.
-            raise ValueError("prompt_logprobs cannot be computed with enable_prefix_caching=True: the cached "
-                             "part of a prompt is not run through the model again")
         seq = Sequence(next(self._seq_ids), prompt, prompt_token_ids, self.cache_config.block_size)
         if sampling_params.seed is not None:
             self._generators[seq.seq_id] = torch.Generator().manual_seed(sampling_params.seed)

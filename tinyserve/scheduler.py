@@ -224,7 +224,7 @@ class Scheduler(SplitPrefillMixin, V1RoundMixin, PreemptionMixin, RefusalMixin, 
                 break
             # >>> chapter 12: prefix caching
             if self.cache_config.enable_prefix_caching:  # the cached head of the prompt needs no compute
-                cached = self.block_manager.num_cached_tokens(seq)
+                cached = self._num_cached_tokens(group)
                 for s in group.get_seqs(SequenceStatus.WAITING):
                     s.num_computed_tokens = cached
             # <<<
@@ -243,6 +243,14 @@ class Scheduler(SplitPrefillMixin, V1RoundMixin, PreemptionMixin, RefusalMixin, 
             self.running.append(group)
             budget.add(num_new_seqs=num_new_seqs)
             self._schedule(out, budget, group, num_new_tokens, is_prompt=True)
+
+    def _num_cached_tokens(self, group: SequenceGroup) -> int:
+        """Leading prompt tokens of a waiting group that a prefix-cache hit spares computing. A
+        request that asks for ``prompt_logprobs`` takes no hit (as vLLM V1's ``get_computed_blocks``):
+        a cached position would have no logits."""
+        if not self.cache_config.enable_prefix_caching or group.sampling_params.prompt_logprobs is not None:
+            return 0
+        return self.block_manager.num_cached_tokens(group.get_seqs(SequenceStatus.WAITING)[0])
 
     def _decode_running(self, out: SchedulerOutputs, budget: SchedulingBudget) -> None:
         """Give every running group its next slot, preempting groups when blocks run out."""

@@ -127,7 +127,7 @@ class V1RoundMixin:
             num_new_seqs = group.get_max_num_running_seqs()
             if not budget.can_schedule(0, num_new_seqs):
                 break
-            cached = bm.num_cached_tokens(seq) if self.cache_config.enable_prefix_caching else 0
+            cached = self._num_cached_tokens(group)
             num_new_tokens = self._v1_chunk(seq, cached, budget)
             if num_new_tokens > budget.remaining_token_budget():  # chunked prefill off: try the next one
                 skipped.append(self.waiting.popleft())
