@@ -111,7 +111,9 @@ def test_a_prefix_hit_counts_as_computed_but_the_last_token_is_always_computed()
     assert first.is_finished()
     again = add(sched, "B", list(prompt), max_tokens=2)
     _, out = play_round(sched)
-    assert chunks(out) == {"B": 1}  # both blocks are cached, but the last token's logits are needed
+    # Both blocks are cached, but the last token's logits are needed, and V1 hits whole blocks of
+    # all tokens but the last: the second block is computed again.
+    assert chunks(out) == {"B": 4}
     assert again.get_seqs()[0].num_computed_tokens == 8
     longer = add(sched, "C", prompt + [7, 7, 7], max_tokens=1)
     _, out = play_round(sched)
@@ -197,12 +199,14 @@ def test_random_workloads_keep_the_v1_rules(workload):
             assert len(bm.block_tables[seq.seq_id]) == -(-seq.num_computed_tokens // bm.block_size)
     else:
         raise AssertionError("the workload did not finish within 2000 steps")
-    # Every request ran to its length: each fits the cache alone. Only without chunked prefill is
-    # one refused, a prompt longer than a step's whole budget.
+    # Every request ran to its length: each fits the cache alone. Only without chunked prefill (and
+    # no threshold to cut it) is one refused, a prompt longer than a step's whole budget.
     for g in groups:
         seq = g.get_seqs()[0]
         if g.error is not None:
-            assert not cfg.enable_chunked_prefill and seq.get_prompt_len() > cfg.max_num_batched_tokens, g.error
+            cut = 0 < cfg.long_prefill_token_threshold <= cfg.max_num_batched_tokens
+            assert not cfg.enable_chunked_prefill and not cut, g.error
+            assert seq.get_prompt_len() > cfg.max_num_batched_tokens, g.error
         else:
             assert seq.get_output_len() == g.sampling_params.max_tokens
     assert_all_free(sched)

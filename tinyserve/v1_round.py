@@ -12,9 +12,11 @@ catch up with tokens under one budget of ``max_num_batched_tokens``:
    tokens reset, and it goes to the front of ``waiting``. If that is the request itself, the
    step stops there.
 2. Only in a step that preempted nobody are waiting requests admitted, in order, with the
-   budget that is left: prefix-cache hits count as computed (never the last token, whose logits
-   are needed to sample), the first chunk is cut like a running prompt's, and a request whose
-   blocks do not fit stops admission. There is no watermark and no swap.
+   budget that is left: prefix-cache hits count as computed, in whole blocks of all tokens but
+   the last (whose logits are needed to sample; V1's ``KVCacheManager.get_computed_blocks``), so
+   a prompt cached whole computes its last block again; the first chunk is cut like a running
+   prompt's, and a request whose blocks do not fit stops admission. There is no watermark and
+   no swap.
 
 ``V1RoundMixin`` is that part of the ``Scheduler``. What it simplifies, against V1's code:
 
@@ -24,7 +26,11 @@ catch up with tokens under one budget of ``max_num_batched_tokens``:
   before any admission, as under the other policies.
 - V1's ``max_num_seqs`` counts requests (``len(self.running)``); tinyserve counts sequences.
 - With chunked prefill off, V1 skips a prompt that does not fit the budget left and tries the
-  next; tinyserve does too (first come first served is given up, as in V1).
+  next; tinyserve does too (first come first served is given up, as in V1). V1 0.9.2 puts
+  several skipped requests back in reverse order (each is prepended to the skipped queue, which
+  ``FCFSRequestQueue.prepend_requests`` reverses once more); tinyserve keeps their order.
+- A cached block that the recomputed last block of a fully cached prompt would fill is shared
+  again here (same tokens, same K/V); V1 writes that block into a fresh one.
 - No speculative decoding, encoder inputs, structured output, KV connectors, priorities or
   LoRA limits; blocks come from tinyserve's own allocator, whose free order differs from V1's
   free-block queue (``vllm/v1/core/block_pool.py``).
@@ -55,12 +61,12 @@ class V1RoundMixin:
 
     def _v1_chunk(self, seq: Sequence, computed: int, budget: SchedulingBudget) -> int:
         """Tokens a prefill with ``computed`` tokens done brings this step: what it lacks, cut to
-        the threshold and (under chunked prefill) to the budget left."""
+        the threshold and, when it may be split (``_may_split``), to the budget left."""
         num = seq.get_len() - computed
         threshold = self.scheduler_config.long_prefill_token_threshold
         if 0 < threshold < num:
             num = threshold
-        if self.scheduler_config.enable_chunked_prefill:
+        if self._may_split(seq):  # chunked prefill, or a sequence preempted after it sampled
             num = min(num, budget.remaining_token_budget())
         return num
 
@@ -117,7 +123,9 @@ class V1RoundMixin:
             group = self.waiting[0]
             seq = group.get_seqs(SequenceStatus.WAITING)[0]
             # >>> fold: refusals: too long, too many samples, more blocks than the cache has
-            reason = refusals.admission_refusal(group, cfg.prompt_limit, bm, cfg)
+            # Without chunked prefill a prompt must fit one step, unless the threshold cuts it.
+            cut = self._may_split(seq) or 0 < cfg.long_prefill_token_threshold <= cfg.max_num_batched_tokens
+            reason = refusals.admission_refusal(group, cfg.max_model_len if cut else cfg.prompt_limit, bm, cfg)
             if reason is None and seq.n_blocks > bm.num_total_gpu_blocks:
                 reason = refusals.no_room(group, bm)
             if reason is not None:
@@ -128,6 +136,7 @@ class V1RoundMixin:
             if not budget.can_schedule(0, num_new_seqs):
                 break
             cached = self._num_cached_tokens(group)
+            cached -= cached % bm.block_size  # V1 hits whole blocks of all but the last token
             num_new_tokens = self._v1_chunk(seq, cached, budget)
             if num_new_tokens > budget.remaining_token_budget():  # chunked prefill off: try the next one
                 skipped.append(self.waiting.popleft())
