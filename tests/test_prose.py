@@ -31,6 +31,10 @@ from measured numbers). Three checks run over it, chapter by chapter:
     other libraries are ``OTHER_LIBRARIES`` (checked by import), names of later vLLM releases
     that the prose names as such are ``LATER_VLLM``; names of the reader's own (`my_...`,
     `My...`) and three-letter math (`Y_r`) are not checked.
+  - Chapter 13 is about vLLM V1: a name there that neither tinyserve nor v0.4.0 has may be one of
+    vLLM 0.9.2's V1 (a file, a class or function with one attribute, or a word of those), looked up
+    in ``tests/vllm_v1_index.json``, which ``scripts/v1_index.py`` writes from V1's source and
+    ``make v1-oracle`` checks against the 0.9.2 wheel.
 - **Exercises.** Every "exercise N" (and "exercises N and M", "exercises N to M") names an
   exercise of the same chapter ("**Exercise N", or an item "N. **" of its Exercises section).
 - **No repeats.** No paragraph of prose (a dozen words or more) appears twice in a chapter.
@@ -104,6 +108,52 @@ OTHER_LIBRARIES = {
 }
 # Names of vLLM releases after v0.4.0 that the prose names as such ("later releases renamed ...").
 LATER_VLLM = {"can_append_slots", "append_slots"}
+
+
+# The chapters about vLLM V1, whose prose may name V1's code (``tests/vllm_v1_index.json``).
+V1_CHAPTERS = {"13_from_v04_to_v1"}
+
+
+@functools.cache
+def v1_index() -> dict:
+    return json.loads((REPO / "tests" / "vllm_v1_index.json").read_text())
+
+
+def _v1_members(name: str, seen: frozenset = frozenset()) -> set[str]:
+    members: set[str] = set()
+    for _, own, bases in v1_index()["names"].get(name, []):
+        members |= set(own)
+        for base in bases:
+            if base not in seen:
+                members |= _v1_members(base, seen | {name})
+    return members
+
+
+def resolve_in_v1(parts: list[str], file: str | None = None) -> bool:
+    entries = [e for e in v1_index()["names"].get(parts[0], []) if file is None or e[0] == file]
+    return bool(entries) and (len(parts) == 1 or parts[1] in _v1_members(parts[0]))
+
+
+@functools.cache
+def v1_words() -> frozenset[str]:
+    names = v1_index()["names"]
+    return frozenset(names) | {m for entries in names.values() for _, own, _ in entries for m in own}
+
+
+def resolves_in_v1(span: str) -> bool:
+    """Whether a backticked span of chapter 13 names something of vLLM V1's."""
+    call = _call_parts(span)
+    if call is not None:
+        return resolve_in_v1(call[0].split("."))
+    if is_path(span):
+        path, _, attr = span.partition("::")
+        path = path.rstrip("/")
+        if path not in v1_index()["files"] and path not in v1_index()["folders"]:
+            return False
+        return not attr or resolve_in_v1(attr.split("."), file=path)
+    if DOTTED.fullmatch(span):
+        return resolve_in_v1(span.split("."))
+    return span in v1_words()
 
 
 # ---- the prose ------------------------------------------------------------------------------
@@ -522,6 +572,8 @@ def unresolved_names(path: Path) -> list[str]:
                 if not (span in own_words or span in project_words() or span in vllm_words()
                         or in_vllm_extensions(span)):
                     problem = f"`{span}` is no word of the package, the tests, the chapter or vLLM v0.4"
+            if problem and path.stem in V1_CHAPTERS and resolves_in_v1(span):
+                problem = None
             if problem:
                 problems.append(f"{path.stem} {where}: {problem}")
     return problems
@@ -622,6 +674,11 @@ def test_the_checks_catch_what_they_should():
     assert not resolve_path("vllm/core/no_such.py")
     assert _takes_keywords("Scheduler", ["block_manager"], aliases)
     assert not _takes_keywords("Scheduler", ["no_such_keyword"], aliases)
+    # vLLM V1's names, for chapter 13.
+    assert resolves_in_v1("KVCacheManager.allocate_slots") and not resolves_in_v1("KVCacheManager.no_such")
+    assert resolves_in_v1("vllm/v1/core/sched/scheduler.py::Scheduler.schedule")
+    assert not resolves_in_v1("vllm/v1/core/sched/no_such.py")
+    assert not resolves_in_v1("vllm/v1/core/sched/scheduler.py::KVCacheManager")  # defined elsewhere
 
 
 def test_exercises_and_repeats_are_caught(tmp_path: Path):
