@@ -33,9 +33,25 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-# The widget classes of the book; a code cell that builds one as its last line shows a widget.
-WIDGET_CALL = re.compile(r"^(?:\S.*)?\b(RoundStepper|BlockOpsStepper|PolicyStepper|WhatIfExplorer|KernelWalkStepper)"
-                         r"(?:\.from_example)?\(", re.M)
+# The widget classes of the book; a code cell that builds one as its last line shows a widget, and
+# so does a cell that binds one to a name and ends with that name (``stepper = PolicyStepper(...)``,
+# then ``stepper``: chapter 13).
+WIDGETS = r"(RoundStepper|BlockOpsStepper|PolicyStepper|WhatIfExplorer|KernelWalkStepper)(?:\.from_example)?\("
+WIDGET_CALL = re.compile(r"^(?:\S.*)?\b" + WIDGETS, re.M)
+# How many runs each chapter's PolicyStepper shows side by side (one column each).
+POLICY_COLUMNS = {"04_": 2, "13_": 3}
+
+
+def shows_widget(source: str) -> bool:
+    """Whether a code cell's last line shows one of the book's widgets."""
+    lines = source.strip().splitlines()
+    if not lines:
+        return False
+    last = lines[-1].strip()
+    if WIDGET_CALL.search(last):
+        return True
+    return bool(re.fullmatch(r"[A-Za-z_]\w*", last)) and bool(
+        re.search(rf"^{last}\s*=\s*(?:\S.*)?\b" + WIDGETS, source, re.M))
 RUN_TIMEOUT_S = 480  # per chapter (each runs in under 90 s on a quiet 2-core machine)
 
 
@@ -45,8 +61,7 @@ def widget_chapters() -> list[str]:
     out = []
     for path in sorted((REPO / "chapters").glob("[0-9][0-9]_*.ipynb")):
         nb = nbformat.read(path, as_version=4)
-        if any(c.cell_type == "code" and WIDGET_CALL.search(c.source.strip().splitlines()[-1] if c.source.strip()
-                                                               else "") for c in nb.cells):
+        if any(c.cell_type == "code" and shows_widget(c.source) for c in nb.cells):
             out.append(path.name)
     return out
 
@@ -55,8 +70,7 @@ def expected_widgets(name: str) -> int:
     import nbformat
 
     nb = nbformat.read(REPO / "chapters" / name, as_version=4)
-    return sum(1 for c in nb.cells if c.cell_type == "code" and c.source.strip()
-               and WIDGET_CALL.search(c.source.strip().splitlines()[-1]))
+    return sum(1 for c in nb.cells if c.cell_type == "code" and shows_widget(c.source))
 
 
 def _free_port() -> int:
@@ -272,6 +286,20 @@ def work_stepper(driver, widget, out: Path) -> None:
     assert len(seen) >= 3, f"play showed only steps {seen}"
 
 
+def check_policy_columns(widget, name: str) -> None:
+    """A PolicyStepper (its text says "idle in running") shows one column per run: chapter 04 two
+    (orca, vllm), chapter 13 three (v0.4's vllm, orca, v1). At round 1 every run is still going, so
+    each column says "round 1 ·" and its tokens in batch."""
+    first = view_state(widget)
+    if "idle in running" not in first["text"]:
+        return
+    want = next((n for prefix, n in POLICY_COLUMNS.items() if name.startswith(prefix)), None)
+    assert want is not None, f"{name}: a PolicyStepper in a chapter missing from POLICY_COLUMNS"
+    text = first["text"]
+    assert text.count("round 1 ·") == text.count("tokens in batch") == want, \
+        f"{name}: the PolicyStepper should show {want} runs at round 1:\n{text}"
+
+
 def work_toggles(driver, widget, out: Path) -> None:
     """Click every option of every toggle group; each click must change the view."""
     from selenium.webdriver.common.by import By
@@ -363,6 +391,7 @@ def test_chapter_in_jupyterlab(name, lab, browser, shots):
         if widget.find_elements(By.CSS_SELECTOR, ".widget-toggle-buttons"):
             work_toggles(driver, widget, out)
         if kinds:
+            check_policy_columns(widget, name)
             work_stepper(driver, widget, out)
         else:
             work_sliders(driver, widget, out)

@@ -399,16 +399,17 @@ def test_duplicate_request_ids_are_refused(tiny_loaded):
 # -- the demo -----------------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_demo_prints_the_rounds_the_scheduler_records(mode, capsys, smollm2_loaded, monkeypatch):
+@pytest.mark.parametrize(("policy", "mode"), [("vllm", "swap"), ("vllm", "recompute"), ("v1", None)])
+def test_demo_prints_the_rounds_the_scheduler_records(policy, mode, capsys, smollm2_loaded, monkeypatch):
     import tinyserve.__main__ as demo
 
     # Reuse the session's loaded model rather than loading it a second time.
     monkeypatch.setattr(demo, "LLMEngine", lambda mc, cc, sc, **kw: LLMEngine(
         mc, cc, sc, executor=Worker(mc, loaded=smollm2_loaded), record_history=kw["record_history"]))
-    engine, outs = demo.run(demo.parser().parse_args(["--preemption-mode", mode, "--device", "cpu"]))
+    args = ["--policy", policy, "--device", "cpu"] + (["--preemption-mode", mode] if mode else [])
+    engine, outs = demo.run(demo.parser().parse_args(args))
     printed = capsys.readouterr().out
-    preset = presets.seed_rounds(mode)
+    preset = presets.seed_rounds(mode or "auto", policy=policy)
     expected = sim.simulate(preset.requests, preset.scheduler_config, preset.cache_config)
     assert [(r.batch, r.preempted, r.waiting, r.running, r.swapped, r.block_tables) for r in engine.history] == \
            [(r.batch, r.preempted, r.waiting, r.running, r.swapped, r.block_tables) for r in expected]

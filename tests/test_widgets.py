@@ -1,4 +1,4 @@
-"""The book's widgets of chapters 03, 04, 05 and 08, driven headlessly: every control is swept over
+"""The book's widgets of chapters 03, 04, 05, 08 and 13, driven headlessly: every control is swept over
 its whole range and what the widget shows is checked against numbers computed here, from the
 real objects, without the widget (or the lab module it draws from)."""
 
@@ -8,6 +8,7 @@ import base64
 
 import pytest
 import torch
+from test_policy_runs import drive
 from test_stepper import PNG_MAGIC, data_step, fields, picture
 
 from tinyserve import presets, sim
@@ -15,6 +16,7 @@ from tinyserve.block import Device
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.lab.block_ops import BLOCK_STORY, play_block_script
 from tinyserve.lab.kernel_walk import walk_sequence_blocks
+from tinyserve.lab.policy_runs import budget, policy_preset, three_policies
 from tinyserve.lab.records import recomputed_tokens
 from tinyserve.lab.whatif import WhatIfSettings, explore, whatif_workload
 from tinyserve.viz.kernel_walk import KernelWalkStepper
@@ -135,14 +137,124 @@ def test_policy_stepper_sweeps_both_runs():
             # No preemption in this workload: a batch member prefills iff it never ran before.
             before = {rid for q in records[:value - 1] for rid in q.batch}
             col = fields(text.split("<div style=", 1)[0] if name == "orca" else text)
-            assert col["prefill"] == (", ".join(rid for rid in r.batch if rid not in before) or "—")
+            assert col["prefill"] == (", ".join(f"{rid} ({r.chunk_sizes[rid]})" for rid in r.batch
+                                                if rid not in before) or "—")
             assert col["decode"] == (", ".join(rid for rid in r.batch if rid in before) or "—")
         images.append(picture(view)[0])
     assert len(set(images)) == 17
     # Hand-written: round 2 under vllm prefills D alone while A, B and C sit idle.
     stepper.slider.value = 2
     vllm_text = fields(stepper.view.value.split("<b>vllm</b>", 1)[1])
-    assert (vllm_text["prefill"], vllm_text["decode"], vllm_text["idle in running"]) == ("D", "—", "A, B, C")
+    assert (vllm_text["prefill"], vllm_text["decode"], vllm_text["idle in running"]) == ("D (4)", "—", "A, B, C")
+
+
+# -- chapter 13: v0.4's vllm, orca and v1, round by round ----------------------------------------
+
+
+def columns(view: str) -> list[dict[str, str]]:
+    """The stepper's columns, one dict of label -> text each."""
+    text = view.split('<img', 1)[0]
+    return [fields(col) for col in text.split('<div style="margin-right:40px">')[1:]]
+
+
+@pytest.mark.parametrize("preset", ["seed", "orca_example"])
+def test_three_policy_stepper_sweeps_every_round(preset):
+    """Every round of all three runs, against a run of the Scheduler made here (test_policy_runs.drive):
+    who prefilled (with the tokens it brought) and who decoded is read off the scheduler's own
+    is_prompt, not off the records."""
+    runs = three_policies(preset)
+    names = ("vllm", "orca", "v1")
+    draw = preset == "seed"  # the text of both; the pictures of one (drawing every round is slow)
+    stepper = PolicyStepper(runs["vllm"], runs["orca"], runs["v1"], names=names, budget=budget(preset), draw=draw)
+    driven = {}
+    for name in names:
+        p = policy_preset(preset, name)
+        driven[name] = drive(p.requests, p.scheduler_config, p.cache_config)[0]
+        assert len(driven[name]) == len(runs[name])
+    n = max(len(run) for run in runs.values())
+    assert stepper.slider.max == n and stepper.num_steps == n
+    images = []
+    for value in range(1, n + 1):
+        stepper.slider.value = value
+        view = stepper.view.value
+        cols = columns(view)
+        assert len(cols) == 3 and data_step(view) == value
+        for name, col in zip(names, cols):
+            rounds = driven[name]
+            if value > len(rounds):
+                assert col == {name: f"done: every request finished by round {len(rounds)}"}
+                continue
+            r = rounds[value - 1]
+            assert col[name].startswith(f"round {value} · ")
+            assert col["prefill"] == (", ".join(f"{rid} ({k})" for rid, k, prompt in r["members"] if prompt) or "—")
+            assert col["decode"] == (", ".join(rid for rid, _, prompt in r["members"] if not prompt) or "—")
+            assert col["tokens in batch"] == f"{r['tokens']} of {budget(preset)}"
+            scheduled = {rid for rid, *_ in r["members"]}
+            assert col["idle in running"] == (", ".join(x for x in r["running"] if x not in scheduled) or "—")
+            assert col["preempted"] == (", ".join(r["preempted"]) or "—")
+            assert col["waiting"] == (", ".join(r["waiting"]) or "—")
+            assert col["finished"] == (", ".join(r["finished"]) or "—")
+            assert ("swapped" in col) == any(q.swapped for q in runs[name])  # only a run that swapped shows it
+        if draw:
+            png, alt, _ = picture(view)
+            assert alt == f"round {value}"
+            images.append(png)
+    assert len(set(images)) == (n if draw else 0), "every round changes the drawing"
+    for value in range(n - 1, 0, -1):
+        stepper.prev_button.click()
+        assert data_step(stepper.view.value) == value
+    stepper.next_button.click()
+    assert data_step(stepper.view.value) == 2
+
+
+def test_three_policy_stepper_hand_written_rounds_and_filmstrip():
+    runs = three_policies("seed")
+    stepper = PolicyStepper(runs["vllm"], runs["orca"], runs["v1"], names=("vllm", "orca", "v1"), budget=10,
+                            draw=False)  # the filmstrip is drawn all the same
+    # Round 2: v0.4 prefills s2 alone while s0 and s1 sit idle; orca and v1 decode s0 and s1.
+    stepper.slider.value = 2
+    vllm, orca, v1 = columns(stepper.view.value)
+    assert (vllm["prefill"], vllm["decode"], vllm["idle in running"]) == ("s2 (3)", "—", "s0, s1")
+    assert (orca["decode"], orca["waiting"]) == (v1["decode"], v1["waiting"]) == ("s0, s1", "s2")
+    # Round 3: v0.4 preempts s2 (swapped out); v1 preempts nobody, s2 still waits for blocks.
+    stepper.slider.value = 3
+    vllm, orca, v1 = columns(stepper.view.value)
+    assert (vllm["preempted"], vllm["swapped"]) == ("s2", "s2") and (v1["preempted"], v1["waiting"]) == ("—", "s2")
+    # Round 9: v1's s1 comes back with its prompt block cached and prefills beside s2.
+    stepper.slider.value = 9
+    v1 = columns(stepper.view.value)[2]
+    assert (v1["prefill"], v1["tokens in batch"]) == ("s1 (6), s2 (3)", "9 of 10")
+    # The last round: orca and v1 finished two rounds before v0.4.
+    stepper.slider.value = stepper.slider.max
+    vllm, orca, v1 = columns(stepper.view.value)
+    assert vllm["finished"] == "s2" and orca == {"orca": "done: every request finished by round 16"}
+    # The saved view: a filmstrip of the first rounds, the preemptions and every run's end.
+    assert stepper.key_steps() == [0, 1, 2, 3, 6, 15, 17]
+    bundle = stepper._repr_mimebundle_()
+    assert base64.b64decode(bundle["image/png"]).startswith(PNG_MAGIC)
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["text/plain"].startswith("PolicyStepper over 18 rounds (the picture shows round 1, round 2, ")
+
+
+def test_policy_stepper_keeps_two_runs_and_refuses_bad_arguments():
+    runs = three_policies("orca_example")
+    two = PolicyStepper(runs["orca"], runs["vllm"], draw=False)
+    assert two.names == ("orca", "vllm") and len(columns(two.view.value)) == 2
+    assert "of" not in fields(two.view.value)["tokens in batch"]  # no budget given, none shown
+    assert two.key_steps() == [0, 1, 2, 3, 14, 16]  # chapter 04's filmstrip, as before
+    per_run = PolicyStepper(runs["orca"], runs["v1"], names=("a", "b"), budget=(64, None), draw=False)
+    a, b = columns(per_run.view.value)
+    assert a["tokens in batch"].endswith(" of 64") and "of" not in b["tokens in batch"]
+    with pytest.raises(ValueError, match="names"):
+        PolicyStepper(runs["vllm"], runs["orca"], runs["v1"], draw=False)
+    with pytest.raises(ValueError, match="names"):
+        PolicyStepper(runs["vllm"], runs["orca"], names=("x",), draw=False)
+    with pytest.raises(ValueError, match="at least two"):
+        PolicyStepper(runs["vllm"], names=("x",), draw=False)
+    with pytest.raises(ValueError, match="non-empty"):
+        PolicyStepper(runs["vllm"], [], draw=False)
+    with pytest.raises(ValueError, match="budget"):
+        PolicyStepper(runs["vllm"], runs["orca"], budget=(1, 2, 3), draw=False)
 
 
 # -- chapter 05: the what-if explorer ----------------------------------------------------------

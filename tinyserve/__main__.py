@@ -12,7 +12,7 @@ import argparse
 import time
 
 from tinyserve import presets
-from tinyserve.config import DTYPE_NAMES, CacheConfig, ModelConfig, SchedulerConfig
+from tinyserve.config import DTYPE_NAMES, POLICIES, CacheConfig, ModelConfig, SchedulerConfig
 from tinyserve.engine import LLMEngine, RequestOutput
 from tinyserve.sequence import SamplingParams
 from tinyserve.sim import RoundRecord
@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> tuple[LLMEngine, list[RequestOutput]]:
     num_cpu_blocks = cc.num_cpu_blocks if args.num_cpu_blocks is None else args.num_cpu_blocks
     cache_config = CacheConfig(block_size=args.block_size or cc.block_size,
                                num_gpu_blocks=args.num_gpu_blocks or cc.num_gpu_blocks,
-                               num_cpu_blocks=num_cpu_blocks, watermark=cc.watermark)
+                               num_cpu_blocks=num_cpu_blocks, watermark=cc.watermark,
+                               enable_prefix_caching=cc.enable_prefix_caching)
     model_config = ModelConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed)
     start = time.perf_counter()
     engine = LLMEngine(model_config, cache_config, scheduler_config, attention_backend=args.attention_backend,
@@ -90,8 +91,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tinyserve", description=__doc__.splitlines()[0])
     p.add_argument("--prompt", action="append", help="a prompt (repeat for several); default: s0, s1, s2")
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--policy", choices=["vllm", "orca"], default="vllm")
-    p.add_argument("--preemption-mode", choices=["swap", "recompute"], default="swap")
+    p.add_argument("--policy", choices=list(POLICIES), default="vllm")
+    p.add_argument("--preemption-mode", choices=["swap", "recompute"], default="auto",
+                   help="default: swap, as the story has it; recompute under --policy v1, its only mode")
     p.add_argument("--block-size", type=int, default=None, help="default: the preset's 5")
     p.add_argument("--num-gpu-blocks", type=int, default=None, help="default: the preset's 4")
     p.add_argument("--num-cpu-blocks", type=int, default=None, help="default: the preset's 4")

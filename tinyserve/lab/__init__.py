@@ -9,5 +9,5 @@ By chapter: ``kv_memory`` (01: cache sizes, the fragmentation simulator), ``bloc
 (04, 05: reading rounds, static batching, the preemption sweep), ``whatif`` (05),
 ``marked_cache`` and ``cache_sizing`` (06), ``paged_run`` (07), ``kernel_plan``,
 ``softmax_walk``, ``kernel_walk`` and ``bandwidth`` (08), ``tracing`` (09), ``tp_memory`` (10),
-``perf`` (11 and ``benchmarks/``), ``beyond_runs`` (12).
+``perf`` (11 and ``benchmarks/``), ``beyond_runs`` (12), ``policy_runs`` (13).
 """

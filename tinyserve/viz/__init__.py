@@ -10,6 +10,7 @@ Modules by chapter: ``source`` (listings, every chapter), ``style`` (pyplot and 
 ``figures`` (the registry behind ``make figures``), ``architecture`` (00), ``kv_cache`` (01),
 ``slots`` (02), ``blocks`` (02, 03), ``rounds`` (04, 05, 09), ``cache`` (06), ``attention`` (07),
 ``attention_kernel`` (08), ``engine`` (09), ``parallel`` (10), ``performance`` (11),
-``beyond`` (12); the widgets ``stepper``, ``widgets_blocks``, ``widgets_orca``, ``whatif``,
+``beyond`` (12), ``policies`` (13); the widgets ``stepper``, ``widgets_blocks``, ``widgets_orca``
+(04, 13), ``whatif``,
 ``kernel_walk`` over ``widget_view``.
 """

@@ -1,10 +1,13 @@
-"""Chapter 04's stepper: one workload under two scheduling policies, round by round, together.
+"""Chapters 04 and 13's stepper: one workload under several scheduling policies, round by round.
 
-``PolicyStepper(left, right)`` takes two runs of the same requests (RoundRecords from
-``sim.simulate``, e.g. the A–E workload under ``policy="orca"`` and ``policy="vllm"``) and
-shows round r of both: for each policy what ran (who prefilled, who decoded, who sat idle in
-``running``), who waited and who finished, and both timelines drawn up to round r. A run that
-has already finished says so, which is how the reader sees one policy end rounds before the other.
+``PolicyStepper(*runs, names=...)`` takes runs of the same requests (RoundRecords from
+``sim.simulate``: chapter 04 gives two, the A–E workload under ``policy="orca"`` and
+``policy="vllm"``; chapter 13 three, v0.4's "vllm", "orca" and "v1") and shows round r of all of
+them, one column each: what ran (each prefill chunk with its tokens, the decodes), the tokens in
+the batch (against the round's token budget when ``budget`` is given), who sat idle in
+``running``, who was preempted, who waited (or sat swapped out) and who finished; and every
+run's timeline drawn up to round r. A run that has already finished says so, which is how the
+reader sees one policy end rounds before another.
 """
 
 from __future__ import annotations
@@ -18,53 +21,89 @@ from tinyserve.viz.stepper import Stepper, ids_html
 from tinyserve.viz.style import STATES
 from tinyserve.viz.widget_view import pick_steps
 
+TWO_POLICY_NAMES = ("orca", "vllm")  # chapter 04's order, the default for two runs
 
-def policy_lines(name: str, records: Sequence[RoundRecord], index: int) -> list[tuple[str, str]]:
-    """What one policy did in round ``index + 1`` (or that it had finished before it)."""
+
+def chunks_html(record: RoundRecord, ids: Sequence[str]) -> str:
+    """Prefill members with the tokens each brought this round: "D (4), E (4)"."""
+    return ids_html([f"{rid} ({record.chunk_sizes.get(rid, '?')})" for rid in ids])
+
+
+def policy_lines(name: str, records: Sequence[RoundRecord], index: int,
+                 budget: int | None = None) -> list[tuple[str, str]]:
+    """What one policy did in round ``index + 1`` (or that it had finished before it).
+
+    A prefill is listed with the tokens it brought (a whole prompt, or one chunk of it); which
+    members prefilled is read by ``records.member_kind``. ``swapped`` is shown only for a run
+    that ever swapped."""
     if index >= len(records):
         return [(name, f"done: every request finished by round {len(records)}")]
     r = records[index]
     previous = records[index - 1] if index else None
     kinds = {rid: member_kind(r, rid, previous) for rid in r.batch}
     idle = [rid for rid in r.running if rid not in r.batch]
-    return [
+    tokens = str(r.num_batched_tokens) + (f" of {budget}" if budget is not None else "")
+    lines = [
         (name, f"round {r.round} · {r.phase}"),
-        ("prefill", ids_html([rid for rid in r.batch if kinds[rid] == "prefill"])),
+        ("prefill", chunks_html(r, [rid for rid in r.batch if kinds[rid] == "prefill"])),
         ("decode", ids_html([rid for rid in r.batch if kinds[rid] == "decode"])),
-        ("tokens in batch", str(r.num_batched_tokens)),
+        ("tokens in batch", tokens),
         ("idle in running", ids_html(idle)),
+        ("preempted", ids_html(r.preempted)),
         ("waiting", ids_html(r.waiting)),
-        ("finished", ids_html(r.finished)),
     ]
+    if any(q.swapped for q in records):
+        lines.append(("swapped", ids_html(r.swapped)))
+    lines.append(("finished", ids_html(r.finished)))
+    return lines
 
 
 class PolicyStepper(Stepper):
-    """Two runs of one workload side by side; step r shows round r of both."""
+    """Runs of one workload side by side, one column each; step r shows round r of every run.
+
+    ``names`` labels the runs (two runs default to chapter 04's ``("orca", "vllm")``);
+    ``budget`` is the token budget of a round (``max_num_batched_tokens``): one number for all
+    runs or one per run, shown as "tokens in batch: 9 of 10"."""
 
     noun = "round"
 
-    def __init__(self, left: Sequence[RoundRecord], right: Sequence[RoundRecord],
-                 names: tuple[str, str] = ("orca", "vllm"), draw: bool = True, interval_ms: int = 900) -> None:
-        if not left or not right:
-            raise ValueError("left, right: PolicyStepper needs two non-empty runs")
-        self.runs = (list(left), list(right))
-        self.names = names
-        self.ids = request_order(self.runs[0] + self.runs[1])
-        n = max(len(left), len(right))
-        self.figsize = (max(7.5, 0.34 * n + 3.0), 2 * (0.3 * len(self.ids) + 1.0) + 0.6)
+    def __init__(self, *runs: Sequence[RoundRecord], names: Sequence[str] | None = None,
+                 budget: int | Sequence[int | None] | None = None, draw: bool = True,
+                 interval_ms: int = 900) -> None:
+        # >>> fold: validation
+        if len(runs) < 2 or any(not run for run in runs):
+            raise ValueError(f"runs: PolicyStepper needs at least two non-empty runs, got {len(runs)} "
+                             f"of lengths {[len(run) for run in runs]}")
+        if names is None:
+            if len(runs) != 2:
+                raise ValueError(f"names: give one name per run ({len(runs)} runs)")
+            names = TWO_POLICY_NAMES
+        if len(names) != len(runs):
+            raise ValueError(f"names: {len(names)} names for {len(runs)} runs")
+        budgets = list(budget) if isinstance(budget, Sequence) else [budget] * len(runs)
+        if len(budgets) != len(runs):
+            raise ValueError(f"budget: {len(budgets)} budgets for {len(runs)} runs")
+        # <<<
+        self.runs = tuple(list(run) for run in runs)
+        self.names = tuple(names)
+        self.budgets = tuple(budgets)
+        self.ids = request_order([r for run in self.runs for r in run])
+        n = max(len(run) for run in self.runs)
+        self.figsize = (max(7.5, 0.34 * n + 3.0), len(self.runs) * (0.3 * len(self.ids) + 1.0) + 0.6)
         super().__init__(n, draw=draw, interval_ms=interval_ms)
 
     def step_columns(self, index: int) -> list[list[tuple[str, str]]]:
-        return [policy_lines(name, run, index) for name, run in zip(self.names, self.runs)]
+        return [policy_lines(name, run, index, budget)
+                for name, run, budget in zip(self.names, self.runs, self.budgets)]
 
     def draw_step(self, index: int, fig) -> None:
-        axes = fig.subplots(2, 1)
+        axes = fig.subplots(len(self.runs), 1)
         for ax, name, run in zip(axes, self.names, self.runs):
             shown = run[:index + 1]
             done = len(run) <= index + 1
             title = f"{name}: round {min(index + 1, len(run))} of {len(run)}" + (" (finished)" if done else "")
             draw_timeline(shown, ax=ax, title=title, legend=False)
-            # The same frame in every step: all rounds of the longer run, every request's row.
+            # The same frame in every step: all rounds of the longest run, every request's row.
             ax.set_xlim(0, self.num_steps)
             ax.set_xticks([i + 0.5 for i in range(self.num_steps)], [str(i + 1) for i in range(self.num_steps)],
                           fontsize=8)
@@ -78,14 +117,19 @@ class PolicyStepper(Stepper):
         handles = [Rectangle((0, 0), 1, 1, facecolor=STATES[s][0]) for s in STATES if s in used]
         fig.legend(handles, [STATES[s][1].split(" (")[0] for s in STATES if s in used], loc="lower center",
                    ncol=len(handles), fontsize=7, frameon=False)
-        fig.subplots_adjust(left=0.07, right=0.99, top=0.93, bottom=0.12, hspace=0.55)
+        bottom = 0.12 if len(self.runs) == 2 else 0.09
+        fig.subplots_adjust(left=0.07, right=0.99, top=0.93 if len(self.runs) == 2 else 0.95, bottom=bottom,
+                            hspace=0.55 if len(self.runs) == 2 else 0.75)
 
     def step_title(self, index: int) -> str:
         return f"round {index + 1}"
 
     def key_steps(self) -> list[int]:
-        # The first rounds, where the policies part ways, and the round each run ends.
-        return pick_steps(self.num_steps, [0, 1, 2, 3, len(self.runs[0]) - 1, len(self.runs[1]) - 1], limit=6)
+        # The first rounds, where the policies part ways, each run's first preemption, and the
+        # round each run ends.
+        preempts = [next((i for i, r in enumerate(run) if r.preempted), -1) for run in self.runs]
+        ends = [len(run) - 1 for run in self.runs]
+        return pick_steps(self.num_steps, [0, 1, 2, 3, *preempts, *ends], limit=6 if len(self.runs) == 2 else 8)
 
 
 def _frame(index: int, rows: int):
