@@ -63,6 +63,7 @@ class RoundRecord:
     num_batched_tokens: int = 0
     chunk_sizes: dict[str, int] = field(default_factory=dict)  # new tokens each batch member brought
     tokens: dict[str, str] = field(default_factory=dict)  # what each batch member produced (engine: text)
+    prefills: list[str] | None = None  # batch members that prefilled (None: a record made by hand)
 
     @property
     def batch_size(self) -> int:
@@ -108,6 +109,7 @@ def make_record(round_no: int, scheduler: Scheduler, out: SchedulerOutputs, fini
         num_batched_tokens=out.num_batched_tokens,
         chunk_sizes={s.seq_group.request_id: s.token_chunk_size for s in out.scheduled_seq_groups},
         tokens=dict(tokens or {}),
+        prefills=[s.seq_group.request_id for s in out.scheduled_seq_groups if s.is_prompt],
     )
 
 

@@ -24,8 +24,11 @@ def request_order(records: Sequence[RoundRecord]) -> list[str]:
 def member_kind(record: RoundRecord, request_id: str, previous: RoundRecord | None) -> str:
     """Whether a batch member prefilled or decoded in this round.
 
-    A pure round says so in its phase. In a mixed round, a member prefills if it brought more
-    than one new token, or if it was not running before and did not come back from swap."""
+    The scheduler's own word (``record.prefills``) where the record has it. A record made by
+    hand: a pure round says so in its phase; in a mixed round, a member prefills if it brought
+    more than one new token, or if it was not running before and did not come back from swap."""
+    if record.prefills is not None:
+        return "prefill" if request_id in record.prefills else "decode"
     if record.phase in ("prefill", "decode"):
         return record.phase
     if record.chunk_sizes.get(request_id, 1) > 1:
