@@ -7,7 +7,7 @@ HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 # the cores (a notebook kernel beside pytest, a second job); sleeping costs almost nothing.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: venv test lint demo book figures lab bench sweep gpu-check browser-test screenshot clean
+.PHONY: venv test lint demo book figures lab bench sweep serving-bench v1-oracle gpu-check browser-test screenshot clean
 
 venv: $(STAMP)
 
@@ -56,6 +56,49 @@ sweep: $(STAMP)
 	$(PY) benchmarks/sweep.py
 	$(PY) -m tinyserve.viz.figures figures  # the heat map is one of them
 
+# Latency under load through the real server (benchmarks/serving.py): guidellm drives
+# `python -m tinyserve.serve` under each policy; 16 minutes on 2 shared cores. guidellm has its own
+# environment: it pins click~=8.4 (.venv has 8.5) and brings sanic, datasets, pandas and uvloop
+# (which uvicorn would pick up), none of which the engine or the book wants.
+GL_VENV  := .venv-guidellm
+GL_STAMP := $(GL_VENV)/.installed-stamp
+
+$(GL_STAMP): Makefile
+	test -x $(GL_VENV)/bin/python || python3 -m venv $(GL_VENV)
+	echo '*' > $(GL_VENV)/.gitignore  # the environment is never committed
+	if [ "$(HAS_GPU)" = "0" ]; then $(GL_VENV)/bin/pip install -q torch==2.13.0; fi
+	$(GL_VENV)/bin/pip install -q guidellm==0.8.1
+	touch $(GL_STAMP)
+
+serving-bench: $(STAMP) $(GL_STAMP)
+	$(PY) benchmarks/serving.py
+	$(PY) -m tinyserve.viz.figures figures  # figures/13_serving_latency.png is one of them
+
+# vLLM 0.9.2's own V1 scheduler as the oracle of policy="v1" (tests/test_v1_oracle.py, which
+# make test skips: .venv has vLLM v0.4.0, the oracle of test_v04_oracle.py). Its own environment:
+# the vllm==0.9.2 wheel (383 MB, downloaded once into V1_WHEELS) goes in with --no-deps (its CUDA
+# dependencies are not wanted; tests/v1_oracle.py imports only the scheduler's modules), beside the
+# packages those modules import. About 3 minutes the first time, then about a minute of tests.
+V1_VENV   := .venv-v1oracle
+V1_STAMP  := $(V1_VENV)/.installed-stamp
+V1_WHEELS ?= $(or $(TINYSERVE_CACHE),$(HOME)/.cache/tinyserve)/wheels
+V1_DEPS   := cachetools msgspec pyzmq cloudpickle blake3 pybase64 aiohttp py-cpuinfo psutil pillow \
+             prometheus_client fastapi openai gguf
+
+$(V1_STAMP): Makefile
+	test -x $(V1_VENV)/bin/python || python3 -m venv $(V1_VENV)
+	echo '*' > $(V1_VENV)/.gitignore  # the environment is never committed
+	if [ "$(HAS_GPU)" = "0" ]; then $(V1_VENV)/bin/pip install -q torch==2.13.0; fi
+	$(V1_VENV)/bin/pip install -q "torch>=2.4" "transformers>=4.56,<6" pytest pytest-timeout $(V1_DEPS)
+	$(V1_VENV)/bin/pip install -q --no-deps -e .
+	ls $(V1_WHEELS)/vllm-0.9.2-*.whl >/dev/null 2>&1 || \
+		$(V1_VENV)/bin/pip download -q --no-deps vllm==0.9.2 -d $(V1_WHEELS)
+	$(V1_VENV)/bin/pip install -q --no-deps $(V1_WHEELS)/vllm-0.9.2-*.whl
+	touch $(V1_STAMP)
+
+v1-oracle: $(V1_STAMP)
+	$(V1_VENV)/bin/python -m pytest -q -p no:cacheprovider --timeout=1800 tests/test_v1_oracle.py
+
 gpu-check: $(STAMP)
 	bash scripts/gpu_check.sh
 
@@ -72,4 +115,4 @@ screenshot: $(STAMP)
 		$(PY) -m pytest -q -s -p no:cacheprovider --timeout=3600 browser_tests -k 05_
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(GL_VENV) $(V1_VENV)

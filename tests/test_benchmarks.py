@@ -7,6 +7,8 @@
 - Decode attention cut into sub-batches equals attention in one piece.
 - The sweep's reading (targets, the two factors, the explanations) on made-up tables, and the
   README's sweep table against the committed CSV.
+- The serving benchmark's reading of guidellm's JSON (latencies, throughput, goodput) on a made-up
+  report, and the committed ``serving.csv`` with chapter 13's latency figure drawn from it.
 """
 
 from __future__ import annotations
@@ -251,3 +253,40 @@ def test_profile_step_splits_a_decode_step_into_parts(tiny_model_dir: Path):
     assert "forward" not in vars(llm.engine.executor.model)
     fused = ps.fusion_side_by_side(llm.engine.executor.model, 3, repeats=1)
     assert fused["fused"] > 0 and fused["split"] > 0
+
+
+def _guidellm_request(ttft_ms: float, latency_s: float, output_tokens: int, prompt_tokens: int = 64) -> dict:
+    """One successful request as guidellm 0.8.1's JSON report holds it (the fields serving.py reads)."""
+    return dict(time_to_first_token_ms=ttft_ms, request_latency=latency_s, output_tokens=output_tokens,
+                prompt_tokens=prompt_tokens)
+
+
+def test_serving_summary_reads_guidellm_json_and_counts_goodput():
+    serving = _load("serving")
+    done = [_guidellm_request(500, 3.5, 11), _guidellm_request(1000, 5.0, 9), _guidellm_request(4000, 6.0, 5)]
+    report = {"benchmarks": [{"config": {"strategy": {"type_": "poisson", "rate": 0.5}}, "duration": 10.0,
+                              "requests": {"successful": done, "errored": [{}], "incomplete": []}}]}
+    [row] = serving.summarize(report, "v1", ttft_target_s=2.0, itl_target_s=0.4)
+    assert (row["policy"], row["rate"], row["ok"], row["requests"], row["errored"]) == ("v1", 0.5, 3, 4, 1)
+    # ITL = (e2e - TTFT) / (tokens - 1): 0.3, 0.5, 0.5; TPOT = e2e / tokens.
+    assert row["itl_p50_s"] == pytest.approx(0.5) and row["itl_p90_s"] == pytest.approx(0.5)
+    assert row["ttft_p50_s"] == 1.0 and row["ttft_p99_s"] == 4.0 and row["e2e_p50_s"] == 5.0
+    assert row["tpot_p50_s"] == pytest.approx(round(5.0 / 9, 4))  # nearest rank: the 2nd of 3
+    assert row["req_per_s"] == pytest.approx(0.3) and row["output_tok_per_s"] == pytest.approx(2.5)
+    assert row["goodput_req_per_s"] == pytest.approx(0.1) and row["slo_attainment"] == pytest.approx(0.333)
+    assert "| v1 | 0.5 | 3/4 |" in serving.markdown([row])
+
+
+def test_serving_csv_parses_and_its_figure_draws():
+    from tinyserve.viz.serving import serving_latency_figure
+
+    rows = perf.read_results("serving")
+    policies = {r["policy"] for r in rows}
+    assert {"vllm", "orca", "vllm-chunked"} <= policies
+    for r in rows:
+        assert 0 < r["ok"] <= r["requests"] and r["rate"] > 0
+        assert r["ttft_p50_s"] <= r["ttft_p90_s"] <= r["ttft_p99_s"] and r["itl_p50_s"] > 0
+        assert 0 <= r["goodput_req_per_s"] <= r["req_per_s"] + 1e-9
+    assert len({(r["policy"], r["rate"]) for r in rows}) == len(rows)  # one row per policy x rate
+    fig = serving_latency_figure()
+    assert len(fig.axes) == 2 and len(fig.axes[0].lines) >= 2 * len(policies)

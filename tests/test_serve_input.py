@@ -394,6 +394,24 @@ def test_the_values_that_ask_for_nothing_are_accepted(served):
     assert r.status_code == 200 and events[-1]["usage"]["completion_tokens"] == 4
 
 
+def test_continuous_usage_stats_put_the_counts_so_far_in_every_chunk(served):
+    # vLLM's stream option, which guidellm sends with every streamed request.
+    _, server, _ = served
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=completion(stream=True, stream_options=options)) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert r.status_code == 200
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 4 and len(counts) > 2
+    assert all(e["usage"]["prompt_tokens"] == events[-1]["usage"]["prompt_tokens"] > 0 for e in events)
+    with httpx.Client(base_url=server.url, timeout=30) as client:  # without it, chunks carry no usage
+        with client.stream("POST", "/v1/completions", json=completion(stream=True,
+                                                                      stream_options={"include_usage": True})) as r:
+            plain = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 4
+
+
 # -- 5. fuzz: no input is a 5xx, and the server goes on ------------------------------------------
 
 ODD_TEXT = ["", "\x00", "\ud800", "\udfff x", "\u202e", "e\u0301" * 50, "\U0001f600" * 20, "\ufeff", "<|im_end|>",

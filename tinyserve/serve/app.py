@@ -264,8 +264,10 @@ async def _respond(request: Request, loop: EngineLoop, request_id: str, ids: lis
     if out.finished and out.error:  # ignored (it can never fit), or the engine failed on it
         raise output_error(out)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = stream_events(loop, request_id, mailbox, out, params, created, fmt, name, include_usage)
+        options = body.stream_options
+        include_usage = options is not None and options.include_usage
+        events = stream_events(loop, request_id, mailbox, out, params, created, fmt, name, include_usage,
+                               continuous_usage=include_usage and options.continuous_usage_stats)
         return StallGuardedStream(events, request.app.state.settings.stall_timeout_s,
                                   on_stall=lambda: loop.abort(request_id), media_type="text/event-stream")
     while not out.finished:

@@ -17,6 +17,7 @@ import socket
 import uvicorn
 from uvicorn.config import LOG_LEVELS
 
+from tinyserve.config import POLICIES
 from tinyserve.llm import LLM
 from tinyserve.serve.app import create_app
 from tinyserve.serve.connections import fit_open_files, uvicorn_options
@@ -116,8 +117,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=positive_int, default=64)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--enable-prefix-caching", action="store_true")
-    p.add_argument("--enable-chunked-prefill", action="store_true")
+    p.add_argument("--policy", default="vllm", choices=list(POLICIES),
+                   help="the scheduler's policy: 'vllm' (v0.4's), 'orca' or 'v1' (default: vllm)")
+    # None, neither flag given, is the policy's own default: on under v1, off otherwise (as in vLLM).
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks of prompt prefixes already computed (default: on for v1, else off)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts across steps under the token budget (default: on for v1, else off)")
     p.add_argument("--log-level", type=str.lower, default="info", choices=list(LOG_LEVELS))
     # The server's limits and protections (ServerSettings; the README's "Limits and protection").
     p.add_argument("--api-key", type=api_key, default=os.environ.get("TINYSERVE_API_KEY") or None,
@@ -160,6 +166,19 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                           max_messages=args.max_messages, special_tokens_in_content=args.special_tokens_in_content)
 
 
+def engine_options(args: argparse.Namespace) -> dict:
+    """The ``LLM`` keywords the flags ask for; a switch left unset is not passed, so the engine's
+    default (the policy's) applies."""
+    options = dict(device=args.device, dtype=args.dtype, block_size=args.block_size,
+                   num_gpu_blocks=args.num_gpu_blocks, swap_space=args.swap_space, max_model_len=args.max_model_len,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   attention_backend=args.attention_backend, policy=args.policy)
+    for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    return options
+
+
 def main(argv: list[str] | None = None) -> None:
     """Build the engine from the flags and run the server until interrupted."""
     args = parser().parse_args(argv)
@@ -168,11 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", args.host)
     if (short := fit_open_files(settings.max_connections)) is not None:
         log.warning("%s", short)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
-              num_gpu_blocks=args.num_gpu_blocks, swap_space=args.swap_space, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-              enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill)
+    llm = LLM(args.model, **engine_options(args))
     name = args.served_model_name or (args.model if args.model == "smollm2-135m" else None)
     app = create_app(llm.engine, name, settings=settings)
     uvicorn.run(app, **uvicorn_options(settings, args.host, args.port, args.log_level))

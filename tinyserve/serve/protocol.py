@@ -44,11 +44,14 @@ STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: only ``include_usage`` (a usage chunk before ``data: [DONE]``)."""
+    """``stream_options``: ``include_usage`` (a usage chunk before ``data: [DONE]``) and vLLM's
+    ``continuous_usage_stats`` (with it, every chunk carries the counts so far; guidellm asks
+    for it)."""
 
     model_config = STRICT
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):

@@ -32,16 +32,18 @@ from tinyserve.serve.choices import ChoiceFormat
 from tinyserve.serve.loop import EngineLoop
 from tinyserve.serve.mailbox import Mailbox
 from tinyserve.serve.protocol import output_error, usage
+from tinyserve.serve.protocol import usage as protocol_usage  # the name `usage` is event()'s argument
 
 log = logging.getLogger("tinyserve.serve")
 
 
 async def stream_events(loop: EngineLoop, request_id: str, mailbox: Mailbox, first: RequestOutput,
                         params: SamplingParams, created: int, fmt: ChoiceFormat, name: str,
-                        include_usage: bool = False) -> AsyncIterator[str]:
+                        include_usage: bool = False, continuous_usage: bool = False) -> AsyncIterator[str]:
     """The server-sent events of one streamed request, from its delta outputs. A request the
     engine fails or gives up on midway ends with an error event (OpenAI's error body) before
-    ``[DONE]``."""
+    ``[DONE]``. With ``include_usage`` the last chunk before it carries the usage, and with
+    ``continuous_usage`` too every chunk the counts so far (others carry ``"usage": null``)."""
     chat = fmt.chat
     kind = "chat.completion.chunk" if chat else "text_completion"
     num_tokens = dict.fromkeys(range(params.n), 0)  # per choice, for the usage
@@ -52,7 +54,8 @@ async def stream_events(loop: EngineLoop, request_id: str, mailbox: Mailbox, fir
     def event(choices: list[dict], usage: dict | None = None) -> str:
         chunk = {"id": request_id, "object": kind, "created": created, "model": name, "choices": choices}
         if include_usage:
-            chunk["usage"] = usage
+            chunk["usage"] = usage if usage is not None or not continuous_usage else \
+                protocol_usage(first, sum(num_tokens.values()))
         return f"data: {json.dumps(chunk)}\n\n"
 
     out: RequestOutput | Exception = first

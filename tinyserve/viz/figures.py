@@ -55,6 +55,9 @@ REGISTRY: dict[str, str] = {
     "11_throughput_sweep": "sweep:sweep_figure",
     "12_chunked_prefill": "beyond:fig_chunked_prefill",
     "12_prefix_sharing": "beyond:fig_prefix_sharing",
+    "13_policy_rounds": "policies:fig_policy_rounds",
+    "13_rate_sweep": "policies:fig_rate_sweep",
+    "13_serving_latency": "serving:serving_latency_figure",
 }
 if KERNEL_RESULTS.exists():  # measured results only where a GPU run left them
     REGISTRY["08_kernel_bandwidth"] = "attention_kernel:fig_kernel_bandwidth"
