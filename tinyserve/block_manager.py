@@ -166,17 +166,19 @@ class BlockSpaceManager:
 
     # -- growth a chunk at a time (policy="v1") -----------------------------------------------
 
-    def num_blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
+    def num_blocks_to_grow(self, seq: Sequence, num_tokens: int, num_cached_tokens: int = 0) -> int:
         """Free GPU blocks it takes to make ``seq``'s table hold its first ``num_tokens`` tokens.
 
         vLLM V1 allocates only the blocks of the tokens a step computes (``allocate_slots``),
-        where v0.4 allocates a whole prompt at admission and one slot per decode."""
+        where v0.4 allocates a whole prompt at admission and one slot per decode.
+        ``num_cached_tokens`` (whole blocks) is the head a prefix cache already holds (see
+        ``prefix_cache.PrefixCachingBlockSpaceManager``); without one it is 0."""
         return max(0, self._num_blocks(num_tokens) - len(self.block_tables.get(seq.seq_id, [])))
 
-    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_blocks_to_grow(seq, num_tokens) <= self.gpu_allocator.get_num_free_blocks()
+    def can_grow(self, seq: Sequence, num_tokens: int, num_cached_tokens: int = 0) -> bool:
+        return self.num_blocks_to_grow(seq, num_tokens, num_cached_tokens) <= self.gpu_allocator.get_num_free_blocks()
 
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
+    def grow(self, seq: Sequence, num_tokens: int, num_cached_tokens: int = 0) -> None:
         """Append GPU blocks to ``seq``'s table (a new table if it has none) until it holds
         ``num_tokens`` tokens."""
         table = self.block_tables.setdefault(seq.seq_id, [])

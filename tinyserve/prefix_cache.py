@@ -142,16 +142,27 @@ class PrefixCachingBlockSpaceManager(BlockSpaceManager):
     def _prompt_blocks(self, seq: Sequence) -> BlockTable:
         return self._new_blocks(seq, 0, seq.n_blocks)
 
-    def num_blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
-        """As the plain manager's, less the full blocks another request already holds by name
+    def num_blocks_to_grow(self, seq: Sequence, num_tokens: int, num_cached_tokens: int = 0) -> int:
+        """As the plain manager's, less the cached head's blocks that another request holds
         (a hit in the evictor still takes a block off the free count)."""
         table = self.block_tables.get(seq.seq_id, [])
-        held = 0
-        for i, h in enumerate(prefix_hashes(seq.get_token_ids()[: self._num_blocks(num_tokens) * self.block_size],
-                                            self.block_size)):
-            block = self.gpu_allocator.lookup(h) if i >= len(table) else None
-            held += block is not None and block.ref_count > 0
+        hits = prefix_hashes(seq.get_token_ids()[: num_cached_tokens], self.block_size)
+        held = sum(1 for h in hits[len(table):] if (block := self.gpu_allocator.lookup(h)) and block.ref_count > 0)
         return super().num_blocks_to_grow(seq, num_tokens) - held
+
+    def grow(self, seq: Sequence, num_tokens: int, num_cached_tokens: int = 0) -> None:
+        """As vLLM V1 allocates: the blocks of the cached head (``num_cached_tokens``, whole
+        blocks) by name, fresh blocks for the rest. A block is named once this step fills it, so
+        that a later prompt can share it after its K/V is written (``mark_computed``); a block
+        that another request holds under the same name is not shared, as in V1."""
+        table = self.block_tables.setdefault(seq.seq_id, [])
+        start, stop = len(table), self._num_blocks(num_tokens)
+        hashes = prefix_hashes(seq.get_token_ids()[: num_tokens], self.block_size)  # the blocks full after it
+        hits = num_cached_tokens // self.block_size
+        table.extend(self.gpu_allocator.allocate(hashes[i]) if i < hits else self.gpu_allocator.allocate()
+                     for i in range(start, stop))
+        for i in range(max(start - 1, hits), len(hashes)):  # the last old block may be full now
+            self.gpu_allocator.register(table[i], hashes[i])
 
     def _new_blocks(self, seq: Sequence, start: int, stop: int) -> BlockTable:
         """Each full block of the prompt (or of the tokens so far) is asked for by name, so a hit

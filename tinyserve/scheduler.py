@@ -136,12 +136,20 @@ class Scheduler(SplitPrefillMixin, V1RoundMixin, PreemptionMixin, RefusalMixin, 
     # -- the round -------------------------------------------------------------------------
 
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
-        out = self._schedule_mixed() if self.mixes_phases else self._schedule_vllm()
+        out = self._schedule_round()
         # >>> fold: safety net: a round that schedules nobody
         if out.is_empty() and not (out.ignored_seq_groups or out.preempted) and self.has_unfinished_seqs():
             self._resolve_stuck_round(out)
         # <<<
         return [self._metadata(s) for s in out.scheduled_seq_groups], out
+
+    def _schedule_round(self) -> SchedulerOutputs:
+        """The round of the configured policy."""
+        # >>> chapter 13: the v1 round
+        if self.scheduler_config.policy == "v1":
+            return self._schedule_v1()
+        # <<<
+        return self._schedule_mixed() if self.mixes_phases else self._schedule_vllm()
 
     def _metadata(self, scheduled: ScheduledSequenceGroup) -> SequenceGroupMetadata:
         group, chunk = scheduled.seq_group, scheduled.token_chunk_size
@@ -181,10 +189,6 @@ class Scheduler(SplitPrefillMixin, V1RoundMixin, PreemptionMixin, RefusalMixin, 
         return out
 
     def _schedule_mixed(self) -> SchedulerOutputs:
-        # >>> chapter 13: the v1 round
-        if self.scheduler_config.policy == "v1":
-            return self._schedule_v1()
-        # <<<
         out, budget = SchedulerOutputs(), self._new_budget()
         self._decode_running(out, budget)
         if not out.preempted:

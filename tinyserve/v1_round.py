@@ -29,8 +29,14 @@ catch up with tokens under one budget of ``max_num_batched_tokens``:
   next; tinyserve does too (first come first served is given up, as in V1). V1 0.9.2 puts
   several skipped requests back in reverse order (each is prepended to the skipped queue, which
   ``FCFSRequestQueue.prepend_requests`` reverses once more); tinyserve keeps their order.
-- A cached block that the recomputed last block of a fully cached prompt would fill is shared
-  again here (same tokens, same K/V); V1 writes that block into a fresh one.
+- V1 names a block when it allocates it (``KVCacheManager.allocate_slots``), so a request
+  admitted later in the same step already hits a block that step computes; tinyserve's prefix
+  cache hits a block only after the step that wrote it (``mark_computed``).
+- Evictions: V1's one free queue takes the least recently used block, a freed request's last
+  block first (``FreeKVCacheBlockQueue``); tinyserve takes never-cached free blocks first, then
+  its LRU evictor's oldest, so different cached prefixes may survive.
+- A request that stops on EOS with its last allowed token finishes as "stop" here; V1 checks the
+  length first and says "length" (``vllm/v1/core/sched/utils.py``, ``check_stop``).
 - No speculative decoding, encoder inputs, structured output, KV connectors, priorities or
   LoRA limits; blocks come from tinyserve's own allocator, whose free order differs from V1's
   free-block queue (``vllm/v1/core/block_pool.py``).
@@ -61,12 +67,16 @@ class V1RoundMixin:
 
     def _v1_chunk(self, seq: Sequence, computed: int, budget: SchedulingBudget) -> int:
         """Tokens a prefill with ``computed`` tokens done brings this step: what it lacks, cut to
-        the threshold and, when it may be split (``_may_split``), to the budget left."""
+        the threshold and, under chunked prefill, to the budget left."""
         num = seq.get_len() - computed
         threshold = self.scheduler_config.long_prefill_token_threshold
         if 0 < threshold < num:
             num = threshold
-        if self._may_split(seq):  # chunked prefill, or a sequence preempted after it sampled
+        # Without chunked prefill V1 never cuts a prompt to the budget. tinyserve cuts a
+        # sequence preempted after it sampled that has outgrown the whole budget (V1 makes the
+        # budget hold max_model_len when chunking is off, so there it cannot happen).
+        outgrown = seq.get_output_len() > 0 and num > self.scheduler_config.max_num_batched_tokens
+        if self.scheduler_config.enable_chunked_prefill or outgrown:
             num = min(num, budget.remaining_token_budget())
         return num
 
@@ -141,14 +151,14 @@ class V1RoundMixin:
             if num_new_tokens > budget.remaining_token_budget():  # chunked prefill off: try the next one
                 skipped.append(self.waiting.popleft())
                 continue
-            if not bm.can_grow(seq, cached + num_new_tokens):
+            if not bm.can_grow(seq, cached + num_new_tokens, cached):
                 break
             # >>> fold: the can_admit hook
             if self.can_admit is not None and not self.can_admit(group, budget, bm):
                 break
             # <<<
             self.waiting.popleft()
-            bm.grow(seq, cached + num_new_tokens)
+            bm.grow(seq, cached + num_new_tokens, cached)
             seq.num_computed_tokens, seq.status = cached, SequenceStatus.RUNNING
             self.running.append(group)
             budget.add(num_new_seqs=num_new_seqs)

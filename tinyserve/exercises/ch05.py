@@ -426,19 +426,21 @@ def _tracebacks(tb):
         tb = tb.tb_next
 
 
-def _with_only(cls: type, method: str) -> type:
-    """``cls`` with the package's versions of every round method but ``method``."""
-    return type(f"only_your_{method}", (cls,), {m: getattr(Scheduler, m) for m in ROUND_METHODS if m != method})
+def _with_only(cls: type, method: str, methods: tuple[str, ...] = ROUND_METHODS) -> type:
+    """``cls`` with the package's versions of every round method (of ``methods``) but ``method``."""
+    return type(f"only_your_{method}", (cls,), {m: getattr(Scheduler, m) for m in methods if m != method})
 
 
-def _culprits(cls: type, workload, expected: list) -> list[str]:
-    """The methods of ``cls`` that, alone among the package's others, already depart from it."""
+def _culprits(cls: type, workload, expected: list, methods: tuple[str, ...] = ROUND_METHODS) -> list[str]:
+    """The methods of ``cls`` (among ``methods``, the vLLM round's by default) that, alone among
+    the package's others, already depart from it."""
     _, requests, sc, cc, hooks = workload
     found = []
-    for method in ROUND_METHODS:
+    for method in methods:
         if getattr(cls, method) is getattr(Scheduler, method):
             continue
-        mine, error = _round_records(_with_only(cls, method), requests, sc, cc, hooks, 4 * len(expected) + 20)
+        mine, error = _round_records(_with_only(cls, method, methods), requests, sc, cc, hooks,
+                                     4 * len(expected) + 20)
         if round_run_difference(mine, error, expected) is not None:
             found.append(method)
     return found
@@ -461,18 +463,24 @@ def check_scheduler_round(cls: type) -> bool:
         print(f"✗ {name} overrides _schedule_mixed: that is chapter 04's round (orca_round); leave it to the package")
         return False
     workloads = round_workloads()
-    expected = {w[0]: _round_records(Scheduler, *w[1:], 10_000)[0] for w in workloads}
+    return verdict(name, round_failures(cls, workloads, _culprits), len(workloads))
 
+
+def round_failures(cls: type, workloads: list, culprits: Callable[[type, tuple, list], list[str]]) -> list[str]:
+    """Run every workload (label, requests, configs, hooks) through ``cls`` and the package's
+    Scheduler; one line per workload whose rounds differ, naming the first difference and the
+    methods ``culprits(cls, workload, expected)`` finds alone to blame. A run that never ends
+    stops the others (they would wait as long). Chapter 13's v1 round is graded the same way."""
     failures = []
     for workload in workloads:
-        want = expected[workload[0]]
+        want = _round_records(Scheduler, *workload[1:], 10_000)[0]
         mine, error = _round_records(cls, *workload[1:], 4 * len(want) + 20)
         problem = round_run_difference(mine, error, want)
         if problem is None:
             continue
         stuck = bool(error) and error.startswith("RunTooLong")
         parts = [] if error and error.startswith(("NotImplementedError", "RunTooLong")) else \
-            _culprits(cls, workload, want)
+            culprits(cls, workload, want)
         where = (f"; with the package's other methods, your {' and your '.join(parts)} alone already "
                  f"differ{'s' if len(parts) == 1 else ''}") if parts else ""
         if stuck:  # every other run would wait as long: one is enough to see it
@@ -480,4 +488,4 @@ def check_scheduler_round(cls: type) -> bool:
         failures.append(f"{workload[0]}: {problem}{where}")
         if stuck:
             break
-    return verdict(name, failures, len(workloads))
+    return failures

@@ -19,6 +19,7 @@ assembly plugs in:
     input_builder    input_builder.py     prepare_inputs       09       LLMEngine(prepare_inputs=)
     sampler          sampler.py           Sampler              09       LLMEngine(sampler=)
     parallel_mlp     parallel_mlp.py      ParallelMLP          10       the tensor-parallel MLP (chapter 10)
+    v1_round         v1_round.py          Scheduler            13       LLMEngine(scheduler=) (policy="v1")
 
 A class named ``AttentionBackend`` or ``Sampler`` is instantiated (``Sampler(seed)``); an object
 of that name is used as it is. ``can_admit`` and ``choose_victim`` may be functions or callable
@@ -35,8 +36,8 @@ package's constructors (a subclass of the package's class is the usual answer).
   from the reader's parts, the package's for the rest, with a report of whose each part is
   (``assemble``).
 - ``your_engine_so_far(chapter)`` runs s0/s1/s2 through the reader's parts beside the package's
-  and prints a verdict: the same rounds (chapters 02–05) or tokens (06 on), or the first
-  difference (``so_far``).
+  and prints a verdict: the same rounds (chapters 02–05) or tokens (06 on; from 13 under
+  policy="v1" too), or the first difference (``so_far``).
 - ``capstone()`` (chapter 09) runs SmolLM2 on s0/s1/s2 and a preempting workload through every
   part the reader has written beside the package's engine, and says whether the tokens are
   identical (``capstone``).

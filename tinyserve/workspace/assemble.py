@@ -5,7 +5,8 @@ Every part goes in through a documented constructor argument: the allocator thro
 ``BlockSpaceManager(allocator=)``, the block manager, admission rule and victim policy through
 ``Scheduler(block_manager=, can_admit=, choose_victim=)``, the reader's rounds (``orca_round`` of
 chapter 04 and ``scheduler_round`` of chapter 05, ``Scheduler`` subclasses, joined into one class
-when both are written) as the scheduler class, through ``LLMEngine(scheduler=)`` in the engine;
+when both are written, and chapter 13's ``v1_round`` joined with them) as the scheduler class,
+through ``LLMEngine(scheduler=)`` in the engine;
 the cache engine and the input builder through ``LLMEngine(cache_engine=, prepare_inputs=)``
 (given to the Worker), attention through ``attention_backend=<object>`` and the sampler through
 ``LLMEngine(sampler=)``. Chapter 08's decode kernel and chapter 10's parallel MLP run in their
@@ -26,8 +27,14 @@ from tinyserve.scheduler import Scheduler, make_block_manager
 from tinyserve.workspace.store import COMPONENTS, load
 
 YOURS, PACKAGES = "yours", "package's"
-SCHEDULER_PARTS = ("allocator", "block_manager", "admission", "orca_round", "scheduler_round", "victim")
-ENGINE_PARTS = SCHEDULER_PARTS + ("cache_engine", "attention", "input_builder", "sampler")
+# Parts of the chapters after the capstone's (chapter 13's v1 round). A report names one only
+# when the view reaches its chapter, or, with no chapter given, when it is saved: the verdicts of
+# chapters 02-12 and the capstone read as they did before it existed.
+LATER_PARTS = ("v1_round",)
+SCHEDULER_PARTS = ("allocator", "block_manager", "admission", "orca_round", "scheduler_round", "victim") + LATER_PARTS
+ENGINE_PARTS = SCHEDULER_PARTS[:-len(LATER_PARTS)] + ("cache_engine", "attention", "input_builder", "sampler") \
+    + LATER_PARTS
+ROUND_PARTS = ("scheduler_round", "orca_round", "v1_round")  # Scheduler subclasses, joined in this order
 
 
 class Report(dict):
@@ -56,6 +63,8 @@ def _gather(names: tuple[str, ...], chapter: int | None, strict: bool) -> tuple[
             obj = load(name, strict=strict)
         if obj is not None:
             parts[name] = obj
+        if name in LATER_PARTS and obj is None and (chapter is None or COMPONENTS[name].chapter > chapter):
+            continue
         report[name] = YOURS if obj is not None else PACKAGES
     return parts, report
 
@@ -74,21 +83,21 @@ def _disown(report: Report, name: str, why: str) -> None:
 
 
 def _round_class(parts: dict, report: Report) -> type:
-    """The scheduler class: the reader's rounds (both joined if both are written), or the package's."""
-    rounds = [parts[name] for name in ("scheduler_round", "orca_round") if name in parts]
-    for name in ("scheduler_round", "orca_round"):
+    """The scheduler class: the reader's rounds (joined into one class if several are written), or
+    the package's."""
+    rounds = [parts[name] for name in ROUND_PARTS if name in parts]
+    for name in ROUND_PARTS:
         if name in parts and not (isinstance(parts[name], type) and issubclass(parts[name], Scheduler)):
             _disown(report, name, "it must be a subclass of tinyserve.scheduler.Scheduler")
             rounds.remove(parts[name])
-    if not rounds:
-        return Scheduler
-    if len(rounds) == 1:
-        return rounds[0]
-    try:
-        return type("YourScheduler", tuple(rounds), {})
-    except TypeError as e:  # two classes whose bases cannot be ordered together
-        _disown(report, "orca_round", f"it cannot be joined with your scheduler_round ({e})")
-        return rounds[0]
+    while len(rounds) > 1:
+        try:
+            return type("YourScheduler", tuple(rounds), {})
+        except TypeError as e:  # classes whose bases cannot be ordered together: the latest is left out
+            names = [n for n in ROUND_PARTS if n in parts and parts[n] in rounds]
+            _disown(report, names[-1], f"it cannot be joined with your {' and your '.join(names[:-1])} ({e})")
+            rounds.pop()
+    return rounds[0] if rounds else Scheduler
 
 
 def _scheduler(parts: dict, report: Report, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -96,6 +105,10 @@ def _scheduler(parts: dict, report: Report, scheduler_config: SchedulerConfig, c
     """A Scheduler with the reader's parts in ``parts`` (the package's for the others)."""
     cc = cache_config
     allocator, manager_cls = parts.get("allocator"), parts.get("block_manager")
+    if manager_cls is not None and cc.enable_prefix_caching and not hasattr(manager_cls, "num_cached_tokens"):
+        _disown(report, "block_manager", "prefix caching needs a block manager with num_cached_tokens and "
+                                         "mark_computed (chapter 12's PrefixCachingBlockSpaceManager)")
+        manager_cls = None
     manager = None
     if manager_cls is not None:
         kwargs = {}

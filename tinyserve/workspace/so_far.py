@@ -4,7 +4,8 @@ Chapters 02–05 run the scheduler with no model (the simulator's scripted reque
 the rounds: what each schedules, preempts, swaps out and in, finishes, leaves in each queue, and
 the free GPU blocks (not block numbers: an allocator may hand out other blocks and be right).
 Chapter 04 runs s0/s1/s2 twice, under the vLLM policy and under the orca policy, whose round is
-that chapter's component (``orca_round``); the other chapters run the vLLM policy only.
+that chapter's component (``orca_round``); chapters 02–12 run the vLLM policy only, and from
+chapter 13 on the engine runs s0/s1/s2 under ``policy="v1"`` as well (chapter 13's ``v1_round``).
 From chapter 06 the engine runs the prompts greedily on a model (SmolLM2 if installed, else the
 tiny random Llama; with the tiny tokenizer the prompts are 9, 7 and 4 tokens, so the rounds are
 not the story's, but both runs share them) and the tokens are compared as well as the rounds.
@@ -12,6 +13,7 @@ not the story's, but both runs share them) and the tokens are compared as well a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from tinyserve import presets
@@ -19,6 +21,7 @@ from tinyserve.sampling_params import SamplingParams
 from tinyserve.sim import RoundRecord, make_record, simulate
 from tinyserve.workspace.assemble import (
     ENGINE_PARTS,
+    LATER_PARTS,
     PACKAGES,
     SCHEDULER_PARTS,
     YOURS,
@@ -116,12 +119,28 @@ def _engine_run(engine, preset) -> tuple[dict[str, list[int]], list[RoundRecord]
 def _report_after_failure(chapter: int, names: tuple[str, ...]) -> Report:
     saved = set(saved_components())
     return Report({name: YOURS if name in saved and COMPONENTS[name].chapter <= chapter else PACKAGES
-                   for name in names})
+                   for name in names if name not in LATER_PARTS or COMPONENTS[name].chapter <= chapter})
 
 
 # Chapters whose verdict also runs s0/s1/s2 under policy="orca": chapter 04's orca_round is the
 # round of that policy only, so the vLLM run alone would never call it.
 ORCA_CHAPTERS = (4,)
+# From chapter 13 the verdict also runs s0/s1/s2 under policy="v1" (which preempts by recompute
+# only), the round of chapter 13's v1_round.
+V1_FROM = 13
+
+
+def _policies(chapter: int) -> tuple[str, ...]:
+    if chapter in ORCA_CHAPTERS:
+        return ("vllm", "orca")
+    return ("vllm", "v1") if chapter >= V1_FROM else ("vllm",)
+
+
+def _seed(preemption_mode: str | None, policy: str) -> presets.Preset:
+    preset = presets.seed_rounds(None if policy == "v1" else preemption_mode, policy=policy)
+    if policy == "v1":  # without prefix caching, so that chapter 03's block manager takes part too
+        preset.cache_config = dataclasses.replace(preset.cache_config, enable_prefix_caching=False)
+    return preset
 
 
 def _scheduler_runs(preset, chapter: int) -> tuple[list[RoundRecord], list[RoundRecord], Report, str | None]:
@@ -158,26 +177,18 @@ def your_engine_so_far(chapter: int, *, model=None, preemption_mode: str = "swap
     Chapters 02–05: the scheduler without a model. Chapter 04 runs s0/s1/s2 under
     ``policy="vllm"`` and again under ``policy="orca"``, whose round is the chapter's
     ``orca_round`` (the verdict's rounds are the orca run's, or the first run that differs).
-    From 06: the engine on ``model`` (see ``build_engine``), comparing tokens and rounds."""
+    From 06: the engine on ``model`` (see ``build_engine``), comparing tokens and rounds. From
+    13 the engine runs s0/s1/s2 under ``policy="v1"`` too (preempting by recompute, the only mode
+    of v1), whose round is the chapter's ``v1_round``."""
     kind = "rounds" if chapter <= 5 else "tokens"
-    policies = ("vllm", "orca") if chapter in ORCA_CHAPTERS else ("vllm",)
-    my_tokens: dict[str, list[int]] = {}
-    package_tokens: dict[str, list[int]] = {}
-    if kind == "rounds":
-        runs = []
-        for policy in policies:
-            package, mine, report, error = _scheduler_runs(presets.seed_rounds(preemption_mode, policy=policy), chapter)
-            runs.append((policy, package, mine, _problems(mine, package, error)))
-        failed = [run for run in runs if run[3]]
-        _, package, mine, _ = failed[0] if failed else runs[-1]
-        if len(runs) == 1:
-            problems = runs[0][3]
-        else:  # each run's problems, named by its policy
-            problems = [f"policy={policy!r}: {p}" for policy, _, _, found in runs for p in found]
-        rounds = "; ".join(f"policy={policy!r}: {len(theirs)} rounds" for policy, theirs, _, _ in runs)
-        same = f"same rounds ({len(package)} rounds)" if len(runs) == 1 else f"same rounds ({rounds})"
-    else:
-        preset = presets.seed_rounds(preemption_mode)
+    policies = _policies(chapter)
+    runs = []  # (policy, package's rounds, reader's rounds, problems, reader's tokens, package's tokens)
+    for policy in policies:
+        preset = _seed(preemption_mode, policy)
+        if kind == "rounds":
+            package, mine, report, error = _scheduler_runs(preset, chapter)
+            runs.append((policy, package, mine, _problems(mine, package, error), {}, {}))
+            continue
         engine, _ = build_engine(model, preset=preset, chapter=0)
         package_tokens, package, _ = _engine_run(engine, preset)
         try:
@@ -186,15 +197,23 @@ def your_engine_so_far(chapter: int, *, model=None, preemption_mode: str = "swap
         except Exception as e:
             report, my_tokens, mine = _report_after_failure(chapter, ENGINE_PARTS), {}, []
             error = f"{type(e).__name__}: {e}"
-        problems = _problems(mine, package, error, my_tokens, package_tokens)
-        same = f"same tokens ({len(package)} rounds)"
+        runs.append((policy, package, mine, _problems(mine, package, error, my_tokens, package_tokens),
+                     my_tokens, package_tokens))
+    failed = [run for run in runs if run[3]]
+    _, package, mine, _, my_tokens, package_tokens = failed[0] if failed else runs[-1]
+    if len(runs) == 1:
+        problems = runs[0][3]
+    else:  # each run's problems, named by its policy
+        problems = [f"policy={policy!r}: {p}" for policy, _, _, found, _, _ in runs for p in found]
+    rounds = "; ".join(f"policy={run[0]!r}: {len(run[1])} rounds" for run in runs)
+    same = f"same {kind} ({len(package)} rounds)" if len(runs) == 1 else f"same {kind} ({rounds})"
     ok = not problems
     text = same if ok else "; ".join(problems)
     verdict = Verdict(chapter, kind, ok, text, report, mine, package, my_tokens, package_tokens)
     if not quiet:
         where = "without a model" if kind == "rounds" else "on the model, greedy"
         under = f", under {' and '.join(f'policy={p!r}' for p in policies)}" if len(policies) > 1 else ""
-        print(f"Your engine so far (chapter {chapter:02d}): s0/s1/s2{under}, preemption_mode={preemption_mode!r}, "
-              f"{where}")
+        mode = f"preemption_mode={preemption_mode!r}" + (" (policy='v1' recomputes)" if "v1" in policies else "")
+        print(f"Your engine so far (chapter {chapter:02d}): s0/s1/s2{under}, {mode}, {where}")
         print(verdict)
     return verdict

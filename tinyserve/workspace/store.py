@@ -99,6 +99,13 @@ COMPONENTS: dict[str, Component] = {c.name: c for c in [
               "TensorParallelExecutor(mlp=) / build_model(mlp=), every rank's MLP",
               "import torch\nimport torch.nn.functional as F\nfrom torch import nn",
               check="tinyserve.exercises.ch10:check_parallel_mlp", answer="ParallelMLP"),
+    Component("v1_round", "v1_round.py", "Scheduler", 13, "LLMEngine(scheduler=), the policy='v1' round",
+              "from collections import deque\n"
+              "from tinyserve import refusals\n"
+              "from tinyserve.scheduler import Scheduler, SchedulerOutputs, SchedulingBudget\n"
+              "from tinyserve.scheduler import Scheduler as PackageScheduler\n"
+              "from tinyserve.sequence import Sequence, SequenceGroup, SequenceStatus",
+              check="tinyserve.exercises.ch13:check_v1_round", answer="V1Round"),
 ]}
 
 
