@@ -78,7 +78,7 @@ serving-bench: $(STAMP) $(GL_STAMP)
 # make test skips: .venv has vLLM v0.4.0, the oracle of test_v04_oracle.py). Its own environment:
 # the vllm==0.9.2 wheel (383 MB, downloaded once into V1_WHEELS) goes in with --no-deps (its CUDA
 # dependencies are not wanted; tests/v1_oracle.py imports only the scheduler's modules), beside the
-# packages those modules import. About 3 minutes the first time, then about a minute of tests.
+# packages those modules import. About 10 minutes the first time (pip), then about a minute of tests.
 V1_VENV   := .venv-v1oracle
 V1_STAMP  := $(V1_VENV)/.installed-stamp
 V1_WHEELS ?= $(or $(TINYSERVE_CACHE),$(HOME)/.cache/tinyserve)/wheels
