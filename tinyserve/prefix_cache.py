@@ -193,16 +193,22 @@ class PrefixCachingBlockSpaceManager(BlockSpaceManager):
         table = self.block_tables[seq.seq_id]
         if len(table) < seq.n_blocks:  # the last block has just been filled by decoding: name it
             self._name_full_block(seq, len(table) - 1)
-        return super().append_slot(seq)
+        cow = super().append_slot(seq)
+        if seq.get_len() % self.block_size == 0:
+            # The newest token fills the last block: named now, as vLLM V1 names it, so that a
+            # request preempted before its next step finds it again; computed after this step.
+            self._name_full_block(seq, len(self.block_tables[seq.seq_id]) - 1, computed=False)
+        return cow
 
-    def _name_full_block(self, seq: Sequence, index: int) -> None:
-        """A block filled by decoding gets its name once full, so later prompts can share it."""
+    def _name_full_block(self, seq: Sequence, index: int, computed: bool = True) -> None:
+        """A block filled by decoding gets its name once full, so later prompts can share it
+        (``computed``: its K/V is written already, else ``mark_computed`` says so later)."""
         block = self.block_tables[seq.seq_id][index]
         if index < 0 or block.block_hash is not None or block.ref_count != 1:
             return
         hashes = prefix_hashes(seq.get_token_ids()[: (index + 1) * self.block_size], self.block_size)
         self.gpu_allocator.register(block, hashes[index])
-        block.computed = block.block_hash is not None
+        block.computed = computed and block.block_hash is not None
 
     # -- swapping blocks that several requests share ------------------------------------------
 
