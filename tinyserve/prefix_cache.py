@@ -257,6 +257,14 @@ class PrefixCachingBlockSpaceManager(BlockSpaceManager):
             if name is not None and self._cpu_by_hash.get(name) is block:
                 del self._cpu_by_hash[name]
 
+    def free(self, seq: Sequence) -> None:
+        """Give back a sequence's blocks, its last block first: the evictor takes the blocks freed
+        first first, so a request's prefix loses its tail before its head and stays findable as
+        long as it can (vLLM V1 frees in this order too; v0.4's evictor breaks ties the same way)."""
+        table = self.block_tables.pop(seq.seq_id, None)
+        for block in reversed(table or []):
+            self._free_block(block)
+
     def _free_block(self, block: PhysicalTokenBlock) -> None:
         super()._free_block(block)
         self._forget_if_free(block)
