@@ -4,6 +4,7 @@ checked against the run it is read from, and their drawings (tinyserve.viz.diagr
 from __future__ import annotations
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 
@@ -71,6 +72,19 @@ def test_a_traced_step_is_in_the_engines_order_and_leaves_the_engine_as_it_was(t
             engine.step()
     assert [r.tokens for r in traced.history] == [r.tokens for r in plain.history]
     assert plain.history[round_number - 1].swapped_out
+
+
+@pytest.mark.parametrize("policy", ["orca", "v1"])
+def test_a_step_traces_under_the_other_policies_too(tiny_loaded, policy):
+    ids = {rid: [10 + i] * n for i, (rid, n) in enumerate(presets.SEED_PROMPT_LENS.items())}
+    traced, plain = (seed_llm_engine(tiny_loaded, prompt_token_ids=ids, policy=policy) for _ in range(2))
+    names = [(c.callee, c.method) for c in trace_step(traced)]
+    assert names.index(("Scheduler", "schedule")) < names.index(("Worker", "execute_model"))
+    for engine in (traced, plain):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert [r.tokens for r in traced.history] == [r.tokens for r in plain.history]
+    assert traced.scheduler.scheduler_config.policy == policy
 
 
 def test_the_three_diagrams_draw_and_are_registered():

@@ -143,17 +143,18 @@ def _default_loaded():
     return load_model("smollm2-135m", device="cpu", dtype=torch.float32)
 
 
-def seed_llm_engine(loaded, preemption_mode: str = "swap", max_tokens: int = 8,
-                prompt_token_ids: dict[str, list[int]] | None = None):
+def seed_llm_engine(loaded, preemption_mode: str | None = "auto", max_tokens: int = 8,
+                    prompt_token_ids: dict[str, list[int]] | None = None, policy: str = "vllm"):
     """An LLMEngine on ``presets.seed_rounds`` with s0, s1, s2 added (greedy), built around a
     fresh TracingWorker over ``loaded`` (a LoadedModel, shared so the weights load once).
     ``prompt_token_ids`` replaces the tokenized prompts (a model with another tokenizer needs
-    it to get the story's 5, 5 and 3 tokens)."""
+    it to get the story's 5, 5 and 3 tokens). ``policy`` and ``preemption_mode`` are the
+    preset's ("auto": swap, or recompute under v1)."""
     from tinyserve import presets
     from tinyserve.config import ModelConfig
     from tinyserve.engine import LLMEngine
 
-    preset = presets.seed_rounds(preemption_mode, max_tokens=max_tokens)
+    preset = presets.seed_rounds(preemption_mode, policy=policy, max_tokens=max_tokens)
     weight = next(loaded.model.parameters())
     model_config = ModelConfig(model=str(loaded.path), device=weight.device.type,
                                dtype=str(weight.dtype).removeprefix("torch."))
