@@ -56,7 +56,6 @@ def test_policy_and_switches_reach_the_engines_scheduler_config(monkeypatch, tin
     assert engine.scheduler_config.policy == "vllm" and engine.scheduler_config.enable_chunked_prefill is False
 
 
-@pytest.mark.skipif("v1" not in POLICIES, reason="policy='v1' is not in this checkout yet")
 def test_v1_turns_both_features_on_unless_told_otherwise(monkeypatch, tiny_model_dir):
     engine = engine_from_flags(monkeypatch, tiny_model_dir, "--policy", "v1")
     assert engine.scheduler_config.policy == "v1"

@@ -32,8 +32,8 @@ step below ``MATCHED_SHARE``, or a classifier that never fired. The mutant tests
 broken prefix cache is not taken for a named difference.
 
 ``FIXED`` keeps the workloads of the differences fixed so far (they must agree at every step),
-``NAMED_CASES`` one workload per named difference (its classifier must tell it), ``DIVERGENCES``
-each difference found and neither fixed nor named, as a strict xfail;
+``NAMED_CASES`` one workload per named difference (its classifier must tell it) but the eviction
+order's, whose old reproducer is fixed now (its classifier must fire in the random workloads);
 ``test_v1_never_finishes_a_prompt_of_max_model_len_tokens_in_chunks`` shows why the workloads keep
 every prompt shorter than ``max_model_len``.
 """

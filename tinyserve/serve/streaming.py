@@ -32,7 +32,6 @@ from tinyserve.serve.choices import ChoiceFormat
 from tinyserve.serve.loop import EngineLoop
 from tinyserve.serve.mailbox import Mailbox
 from tinyserve.serve.protocol import output_error, usage
-from tinyserve.serve.protocol import usage as protocol_usage  # the name `usage` is event()'s argument
 
 log = logging.getLogger("tinyserve.serve")
 
@@ -51,11 +50,11 @@ async def stream_events(loop: EngineLoop, request_id: str, mailbox: Mailbox, fir
     text_offsets = dict.fromkeys(range(params.n), 0)  # per choice, for completions' text_offset
     finished = False
 
-    def event(choices: list[dict], usage: dict | None = None) -> str:
+    def event(choices: list[dict], totals: dict | None = None) -> str:
         chunk = {"id": request_id, "object": kind, "created": created, "model": name, "choices": choices}
         if include_usage:
-            chunk["usage"] = usage if usage is not None or not continuous_usage else \
-                protocol_usage(first, sum(num_tokens.values()))
+            chunk["usage"] = totals if totals is not None or not continuous_usage else \
+                usage(first, sum(num_tokens.values()))
         return f"data: {json.dumps(chunk)}\n\n"
 
     out: RequestOutput | Exception = first
