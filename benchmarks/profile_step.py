@@ -69,10 +69,10 @@ class Timers:
                 delattr(obj, attr)  # back to the class's method
 
 
-def build_llm(model: str, batch: int):
+def build_llm(model: str, batch: int, dtype: torch.dtype | str = "auto"):
     from tinyserve import LLM
 
-    return LLM(model=model, device="cpu", max_num_seqs=batch, swap_space=0.0)
+    return LLM(model=model, device="cpu", dtype=dtype, max_num_seqs=batch, swap_space=0.0)
 
 
 def fill(llm, batch: int, prompt_len: int, max_tokens: int) -> None:
@@ -147,7 +147,7 @@ def fusion_side_by_side(model, batch: int, repeats: int = 5) -> dict[str, float]
     same weights and input, interleaved; medians of ``repeats``."""
     import torch.nn.functional as F
 
-    x = torch.randn(batch, model.hidden_size)
+    x = torch.randn(batch, model.hidden_size, dtype=model.embed_tokens.dtype)
     fused = [(layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight) for layer in model.layers]
     q_rows = model.num_heads * model.head_dim
     kv_rows = model.num_kv_heads * model.head_dim

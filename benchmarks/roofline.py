@@ -7,17 +7,21 @@ sequence's cached K/V. The machine can do at most ``peak_flops`` and stream at m
 
     floor(B) = max(flops(B) / peak_flops, bytes(B) / bandwidth)
 
-This script measures both limits on this machine (a large fp32 ``torch.mm``; a large tensor
-copy, counted as bytes read + bytes written), counts the FLOPs and bytes of a SmolLM2 decode
-step at batch 1, 16, 32 and 64, times tinyserve's whole engine step (and transformers' decode
-forward with its KV cache, for comparison) at those batches, and reports ``floor / measured``:
-the fraction of the roofline each step achieves. At batch 1 a step is bound by memory (the
-weights are read for one token); by batch 32 on a CPU it is bound by compute.
+This script measures both limits on this machine, in each dtype (a large matmul in float32
+and in bfloat16; a large tensor copy, counted as bytes read + bytes written), counts the
+FLOPs and bytes of a SmolLM2 decode step at batch 1, 16, 32 and 64, times tinyserve's whole
+engine step (and transformers' decode forward with its KV cache, at the same dtype) at those
+batches, and reports ``floor / measured``: the fraction of the roofline each step achieves, both
+of the roofline of the dtype it ran in and of the machine's best one (its fastest dtype's peak,
+with that dtype's bytes). A CPU without native bf16 (no ``avx512_bf16`` or AMX) emulates it, and
+its bf16 peak falls far below its float32 one; there the best roofline is float32's. At batch 1
+a step is bound by memory (the weights are read for one token); by batch 32 on a CPU it is bound
+by compute.
 
 Not counted: activations (kilobytes next to megabytes of weights), norms, rotary, softmax and
 other elementwise work; they cost time but are not part of the floor.
 
-    python benchmarks/roofline.py                   # ~2 minutes on 2 cores
+    python benchmarks/roofline.py                   # ~6 minutes on 2 cores, both dtypes
     python benchmarks/roofline.py --batches 1 4 --steps 3 --model <dir>
 
 Results go to ``roofline.csv`` in ``--out`` (default ``benchmarks/results``).
@@ -39,17 +43,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from common import RESULTS_DIR, machine, table  # noqa: E402
 from profile_step import build_llm, fill  # noqa: E402
 
 from tinyserve.lab import perf  # noqa: E402
 
 
-def peak_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
-    """fp32 FLOP/s of the best of ``repeats`` ``[n, n] @ [n, n]`` products."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)  # warm-up: thread pool, packing buffers
-    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+def peak_matmul_flops(dtype: torch.dtype = torch.float32, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s in ``dtype`` of the best of ``repeats`` ``[n, n] x [n, n]^T`` products, taken as
+    ``F.linear``: the layout of every projection in the model. (Without native bf16, a square
+    bf16 ``torch.mm`` falls back to a path some 20x slower still, which no step of the model takes.)"""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    F.linear(a, b)  # warm-up: thread pool, packing buffers
+    best = min(_timed(lambda: F.linear(a, b)) for _ in range(repeats))
     return 2 * n**3 / best
 
 
@@ -113,6 +120,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--no-transformers", action="store_true")
@@ -121,35 +129,55 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if min(args.batches) < 1 or args.steps < 1 or args.prompt_len < 1:
         raise ValueError("--batches, --steps and --prompt-len must be at least 1")
     print(f"machine: {machine()}")
-    flops_peak, bandwidth = peak_matmul_flops(), copy_bandwidth()
-    print(f"fp32 matmul: {flops_peak / 1e9:.1f} GFLOP/s; copy bandwidth: {bandwidth / 1e9:.1f} GB/s; "
-          f"ridge point {flops_peak / bandwidth:.1f} FLOP/byte")
-    llm = build_llm(args.model, max(args.batches))
+    bandwidth = copy_bandwidth()
+    peaks = {name: peak_matmul_flops(DTYPES[name]) for name in args.dtypes}
+    best = max(peaks, key=peaks.get)  # the machine's fastest dtype: its roofline is the machine's
+    for name, peak in peaks.items():
+        print(f"{name} matmul: {peak / 1e9:.1f} GFLOP/s; ridge point {peak / bandwidth:.1f} FLOP/byte")
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s; the machine's best dtype: {best}")
+    rows = []
+    for name in args.dtypes:
+        rows += measure(args, name, peaks, best, bandwidth)
+    print()
+    print(table(rows, [c for c in rows[0] if c not in ("peak_gflops", "bandwidth_gbs", "best_dtype")]))
+    path = perf.write_results("roofline", rows, args.out)
+    print(f"wrote {path}")
+    return rows
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def measure(args, name: str, peaks: dict[str, float], best: str, bandwidth: float) -> list[dict]:
+    """The rows of one dtype: each batch's floor in that dtype and in the best one, and the
+    measured steps of tinyserve and transformers."""
+    dtype = DTYPES[name]
+    llm = build_llm(args.model, max(args.batches), dtype=dtype)
     config = llm.engine.executor.loaded.hf_config
-    hf = None if args.no_transformers else perf.load_hf_model(args.model, device="cpu", dtype=torch.float32)
+    hf = None if args.no_transformers else perf.load_hf_model(args.model, device="cpu", dtype=dtype)
     rows = []
     for b in args.batches:
         context = args.prompt_len + args.steps // 2 + 2  # the middle of the timed steps
-        flops, nbytes = decode_step_cost(config, b, context)
-        floor = max(flops / flops_peak, nbytes / bandwidth)
+        flops, nbytes = decode_step_cost(config, b, context, dtype.itemsize)
+        floor = max(flops / peaks[name], nbytes / bandwidth)
+        best_flops, best_bytes = decode_step_cost(config, b, context, DTYPES[best].itemsize)
+        best_floor = max(best_flops / peaks[best], best_bytes / bandwidth)
         ours = time_tinyserve(llm, b, args.prompt_len, args.steps)
-        row = dict(batch=b, context=context, gflops=round(flops / 1e9, 3), mbytes=round(nbytes / 1e6, 1),
-                   intensity=round(flops / nbytes, 2), bound="compute" if flops / flops_peak > nbytes / bandwidth
-                   else "memory", floor_ms=round(1000 * floor, 2), tinyserve_ms=round(1000 * ours, 2),
-                   tinyserve_fraction=round(floor / ours, 3))
+        row = dict(dtype=name, batch=b, context=context, gflops=round(flops / 1e9, 3),
+                   mbytes=round(nbytes / 1e6, 1), intensity=round(flops / nbytes, 2),
+                   bound="compute" if flops / peaks[name] > nbytes / bandwidth else "memory",
+                   floor_ms=round(1000 * floor, 2), best_floor_ms=round(1000 * best_floor, 2),
+                   tinyserve_ms=round(1000 * ours, 2), tinyserve_fraction=round(floor / ours, 3),
+                   tinyserve_fraction_of_best=round(best_floor / ours, 3))
         if hf is not None:
             prompts = perf.make_prompts(llm.tokenizer, [args.prompt_len] * b)
             theirs = time_transformers(hf, prompts, args.steps)
             row.update(transformers_ms=round(1000 * theirs, 2), transformers_fraction=round(floor / theirs, 3))
+        row.update(peak_gflops=round(peaks[name] / 1e9, 1), bandwidth_gbs=round(bandwidth / 1e9, 1), best_dtype=best)
         rows.append(row)
-        print(f"batch {b}: floor {row['floor_ms']} ms ({row['bound']}-bound), tinyserve {row['tinyserve_ms']} ms "
-              f"= {100 * row['tinyserve_fraction']:.0f}% of the roofline")
-    for r in rows:
-        r.update(peak_gflops=round(flops_peak / 1e9, 1), bandwidth_gbs=round(bandwidth / 1e9, 1))
-    print()
-    print(table(rows, [c for c in rows[0] if c not in ("peak_gflops", "bandwidth_gbs")]))
-    path = perf.write_results("roofline", rows, args.out)
-    print(f"wrote {path}")
+        print(f"{name} batch {b}: floor {row['floor_ms']} ms ({row['bound']}-bound), tinyserve {row['tinyserve_ms']} "
+              f"ms = {100 * row['tinyserve_fraction']:.0f}% of the {name} roofline, "
+              f"{100 * row['tinyserve_fraction_of_best']:.0f}% of the machine's ({best})")
     return rows
 
 

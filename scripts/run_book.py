@@ -42,6 +42,10 @@ def main(paths: list[str]) -> None:
     # The committed outputs are the package's and the solutions', never a reader's saved answers
     # (tinyserve.workspace), and running the book must not overwrite those: an empty workspace.
     os.environ["TINYSERVE_WORKSPACE"] = tempfile.mkdtemp(prefix="tinyserve-book-workspace-")
+    # The committed outputs must not depend on whether the machine that ran the book computes
+    # bfloat16 natively (where dtype="auto" would pick it): the book runs in float32 on the CPU
+    # and chapter 11 reads its bf16 numbers from the benchmarks' results.
+    os.environ.setdefault("TINYSERVE_CPU_DTYPE", "float32")
     for p in paths:
         elapsed = execute(Path(p))
         print(f"{p}: executed in {elapsed:.1f} s")

@@ -16,6 +16,10 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The chapters (run by test_chapters in kernels that inherit this) must never read or overwrite a
 # reader's own answers in the real workspace (tinyserve.workspace): the tests get an empty one.
+# dtype="auto" means float32 on every CPU here, even one with native bfloat16 (where the package
+# picks bf16): the tests compare greedy tokens exactly, which only float32 keeps from drifting.
+# test_dtype_auto.py checks the choice itself and bf16's parity with transformers in bf16.
+os.environ["TINYSERVE_CPU_DTYPE"] = "float32"
 os.environ["TINYSERVE_WORKSPACE"] = tempfile.mkdtemp(prefix="tinyserve-test-workspace-")
 
 import pytest  # noqa: E402

@@ -227,15 +227,24 @@ def test_roofline_counts_every_matmul_weight_of_the_model(tiny_model_dir: Path):
 
 
 @pytest.mark.slow
-def test_roofline_run_writes_fractions(tiny_model_dir: Path, tmp_path: Path):
+def test_roofline_run_writes_fractions_in_each_dtype(tiny_model_dir: Path, tmp_path: Path):
     rows = _load("roofline").main(["--model", str(tiny_model_dir), "--batches", "1", "3", "--steps", "2",
-                                   "--out", str(tmp_path)])
+                                   "--dtypes", "float32", "bfloat16", "--out", str(tmp_path)])
     saved = perf.read_results("roofline", tmp_path)
-    assert [r["batch"] for r in saved] == [1, 3] and len(rows) == 2
+    assert [(r["dtype"], r["batch"]) for r in saved] == [("float32", 1), ("float32", 3), ("bfloat16", 1),
+                                                         ("bfloat16", 3)] and len(rows) == 4
+    peaks = {r["dtype"]: r["peak_gflops"] for r in saved}
+    assert {r["best_dtype"] for r in saved} == {max(peaks, key=peaks.get)}
     for r in saved:
-        # A measured step can never beat the floor the machine's own limits set.
+        # A measured step can never beat the floor the machine's own limits set in its dtype.
         assert 0 < r["tinyserve_fraction"] <= 1 and 0 < r["transformers_fraction"] <= 1
         assert r["floor_ms"] <= r["tinyserve_ms"]
+        # The same step against the best dtype's roofline: its floor and fraction, consistently.
+        # (Both are rounded, the floor to 0.01 ms and the fraction to 0.001, hence the tolerance.)
+        implied = r["tinyserve_fraction_of_best"] * r["tinyserve_ms"]
+        assert abs(implied - r["best_floor_ms"]) <= 0.005 + 0.0005 * r["tinyserve_ms"], r
+        if r["dtype"] == r["best_dtype"]:
+            assert r["best_floor_ms"] == r["floor_ms"]
 
 
 def test_profile_step_splits_a_decode_step_into_parts(tiny_model_dir: Path):
