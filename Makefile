@@ -49,9 +49,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/profile_step.py
 	$(PY) benchmarks/roofline.py
+	$(PY) benchmarks/levers.py
 
-# The grid of workload shapes (chapter 11's heat map): about 17 minutes on 2 cores; `--full`
-# (all 12 cells, median of 3) takes about 2 1/4 hours and is run by hand.
+# The grid of workload shapes (chapter 11's heat maps), in the dtype "auto" picks: about 17
+# minutes on 2 cores in float32, 9 in bfloat16; `--full` (all 12 cells, median of 3) takes about
+# 2 1/4 hours and is run by hand, as is `--dtype bfloat16 --repeats 3` on a CPU without native bf16.
 sweep: $(STAMP)
 	$(PY) benchmarks/sweep.py
 	$(PY) -m tinyserve.viz.figures figures  # the heat map is one of them

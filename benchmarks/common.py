@@ -20,6 +20,10 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from tinyserve.config import cpu_has_native_bf16
+
+    # Two EPYCs of the same name may differ in bf16 (benchmarks/roofline.py measures what it costs).
+    cpu += " with native bf16" if cpu_has_native_bf16() else " without native bf16"
     return (f"{cpu}, {cores} cores, torch {torch.__version__} with {torch.get_num_threads()} threads, "
             f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
 

@@ -7,10 +7,13 @@ model's forward, the LM head, sampling, postprocessing), and the forward pass in
 and the rest (norms, rotary, activations, residual adds, Python between them). On a CPU every
 torch op is synchronous, so wall-clock timers around a call measure that call.
 
-    python benchmarks/profile_step.py                  # SmolLM2-135M, batch 32, fp32 CPU
-    python benchmarks/profile_step.py --batch 1 --steps 10
+    python benchmarks/profile_step.py                  # SmolLM2-135M, batch 16 and 32, fp32 and bf16
+    python benchmarks/profile_step.py --batches 1 --dtypes float32 --steps 10
 
-It writes ``profile_step_b<batch>.csv`` (median ms and share of each part) to ``--out``.
+Each dtype runs tinyserve and transformers in it; transformers' decode forward (one new token per
+row, its KV cache, the same batch and context) is timed beside tinyserve's step, the two taking
+turns step by step. It writes
+``profile_step.csv`` (per dtype and batch: median ms and share of each part) to ``--out``.
 
 The answer to "is a step's fixed cost small?" is the share that is neither a matmul nor
 attention (``other``): issue 17's target is at most a third of a batch-32 decode step.
@@ -174,29 +177,81 @@ def fusion_side_by_side(model, batch: int, repeats: int = 5) -> dict[str, float]
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def transformers_decoder(hf, prompts: list[list[int]]):
+    """A function that runs one more of transformers' decode forwards (one new token per row,
+    its KV cache) over ``prompts`` and returns its seconds: called in turn with tinyserve's
+    steps, so that both see the same spells of a shared machine."""
+    with torch.inference_mode():
+        out = hf(input_ids=torch.tensor(prompts), use_cache=True)  # equal lengths: no padding
+    state = {"cache": out.cache, "next": out.logits[:, -1:].argmax(-1)}
+
+    @torch.inference_mode()
+    def step() -> float:
+        t = time.perf_counter()
+        out = hf(input_ids=state["next"], cache=state["cache"], use_cache=True)
+        state["next"] = out.logits[:, -1:].argmax(-1)
+        seconds = time.perf_counter() - t
+        state["cache"] = out.cache
+        return seconds
+
+    step()  # the first call pays for lazy set-up
+    return step
+
+
+def profile_dtype(args, name: str) -> list[dict]:
+    """The rows of one dtype: each batch's parts, the fused-projection comparison, and
+    transformers' decode forward at the same batch, context and dtype, step for step in turn."""
+    llm = build_llm(args.model, max(args.batches), dtype=DTYPES[name])
+    hf = None if args.no_transformers else perf.load_hf_model(args.model, device="cpu", dtype=DTYPES[name])
+    rows = []
+    for batch in args.batches:
+        fill(llm, batch, args.prompt_len, max_tokens=args.steps + 8)
+        profile(llm, 2)  # warm-up
+        # The same context as tinyserve's steps (the prompt and its first token, then decoding).
+        theirs = None if hf is None else transformers_decoder(
+            hf, perf.make_prompts(llm.tokenizer, [args.prompt_len + 1] * batch))
+        ours, their_times = [], []
+        for _ in range(args.steps):
+            ours += profile(llm, 1)
+            if theirs is not None:
+                their_times.append(theirs())
+        med = summarize(ours)
+        llm.engine.abort_request([f"r{i}" for i in range(batch)])
+        print(f"{name}: " + report(med, batch))
+        f = fusion_side_by_side(llm.engine.executor.model, batch)
+        print(f"q/k/v + gate/up projections of all layers at batch {batch}: fused {1000 * f['fused']:.1f} ms, "
+              f"split into 5 matmuls {1000 * f['split']:.1f} ms ({f['split'] / f['fused']:.2f}x)")
+        rows += [dict(dtype=name, batch=batch, part=k, ms=round(1000 * med[k], 3),
+                      share=round(med[k] / med["total"], 4)) for k in ORDER + ["total"]]
+        rows += [dict(dtype=name, batch=batch, part=f"qkv_gate_up_{k}", ms=round(1000 * v, 3), share="")
+                 for k, v in f.items()]
+        if their_times:
+            ms = 1000 * statistics.median(their_times)
+            print(f"{name}: transformers' decode forward at batch {batch}: {ms:.1f} ms "
+                  f"(tinyserve's whole step {1000 * med['total']:.1f} ms)")
+            rows.append(dict(dtype=name, batch=batch, part="transformers_forward", ms=round(ms, 3), share=""))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
-    if args.batch < 1 or args.steps < 1:
-        raise ValueError("--batch and --steps must be at least 1")
+    if min(args.batches) < 1 or args.steps < 1:
+        raise ValueError("--batches and --steps must be at least 1")
     print(f"machine: {machine()}")
-    llm = build_llm(args.model, args.batch)
-    fill(llm, args.batch, args.prompt_len, max_tokens=args.steps + 8)
-    profile(llm, 2)  # warm-up
-    med = summarize(profile(llm, args.steps))
-    print(report(med, args.batch))
-    f = fusion_side_by_side(llm.engine.executor.model, args.batch)
-    print(f"q/k/v + gate/up projections of all layers at batch {args.batch}: fused {1000 * f['fused']:.1f} ms, "
-          f"split into 5 matmuls {1000 * f['split']:.1f} ms ({f['split'] / f['fused']:.2f}x)")
-    rows = [dict(batch=args.batch, part=k, ms=round(1000 * med[k], 3), share=round(med[k] / med["total"], 4))
-            for k in ORDER + ["total"]]
-    rows += [dict(batch=args.batch, part=f"qkv_gate_up_{k}", ms=round(1000 * v, 3), share="") for k, v in f.items()]
-    print(f"wrote {perf.write_results(f'profile_step_b{args.batch}', rows, args.out)}")
+    rows = [row for name in args.dtypes for row in profile_dtype(args, name)]
+    print(f"wrote {perf.write_results('profile_step', rows, args.out)}")
+    return rows
 
 
 if __name__ == "__main__":

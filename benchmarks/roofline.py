@@ -45,7 +45,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from common import RESULTS_DIR, machine, table  # noqa: E402
-from profile_step import build_llm, fill  # noqa: E402
+from profile_step import DTYPES, build_llm, fill, transformers_decoder  # noqa: E402
 
 from tinyserve.lab import perf  # noqa: E402
 
@@ -91,29 +91,21 @@ def decode_step_cost(config, batch: int, context: int, bytes_per_value: int = 4)
     return flops, matmul_params * bytes_per_value + kv_bytes
 
 
-def time_tinyserve(llm, batch: int, prompt_len: int, steps: int) -> float:
-    """Median seconds of one engine step with ``batch`` sequences decoding."""
+def time_steps(llm, hf, batch: int, prompt_len: int, steps: int) -> tuple[float, float | None]:
+    """Median seconds of one tinyserve engine step with ``batch`` sequences decoding, and of
+    transformers' decode forward at the same batch and context (None without ``hf``), the two
+    taking turns step by step."""
     fill(llm, batch, prompt_len, max_tokens=steps + 4)
     llm.engine.step()  # warm-up
-    times = [_timed(llm.engine.step) for _ in range(steps)]
+    theirs = None if hf is None else transformers_decoder(hf, perf.make_prompts(llm.tokenizer,
+                                                                                [prompt_len + 1] * batch))
+    ours, their_times = [], []
+    for _ in range(steps):
+        ours.append(_timed(llm.engine.step))
+        if theirs is not None:
+            their_times.append(theirs())
     llm.engine.abort_request([f"r{i}" for i in range(batch)])
-    return statistics.median(times)
-
-
-@torch.inference_mode()
-def time_transformers(hf, prompts: list[list[int]], steps: int) -> float:
-    """Median seconds of transformers' decode forward (one new token per row, KV cache)."""
-    ids = torch.tensor(prompts)  # equal lengths: no padding needed
-    out = hf(input_ids=ids, use_cache=True)
-    cache, nxt = out.cache, out.logits[:, -1:].argmax(-1)
-    times = []
-    for _ in range(steps + 1):
-        t = time.perf_counter()
-        out = hf(input_ids=nxt, cache=cache, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-        times.append(time.perf_counter() - t)
-        cache = out.cache
-    return statistics.median(times[1:])  # the first call pays for lazy set-up
+    return statistics.median(ours), statistics.median(their_times) if their_times else None
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -122,7 +114,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 32, 64])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
@@ -145,8 +137,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def measure(args, name: str, peaks: dict[str, float], best: str, bandwidth: float) -> list[dict]:
     """The rows of one dtype: each batch's floor in that dtype and in the best one, and the
@@ -162,16 +152,14 @@ def measure(args, name: str, peaks: dict[str, float], best: str, bandwidth: floa
         floor = max(flops / peaks[name], nbytes / bandwidth)
         best_flops, best_bytes = decode_step_cost(config, b, context, DTYPES[best].itemsize)
         best_floor = max(best_flops / peaks[best], best_bytes / bandwidth)
-        ours = time_tinyserve(llm, b, args.prompt_len, args.steps)
+        ours, theirs = time_steps(llm, hf, b, args.prompt_len, args.steps)
         row = dict(dtype=name, batch=b, context=context, gflops=round(flops / 1e9, 3),
                    mbytes=round(nbytes / 1e6, 1), intensity=round(flops / nbytes, 2),
                    bound="compute" if flops / peaks[name] > nbytes / bandwidth else "memory",
                    floor_ms=round(1000 * floor, 2), best_floor_ms=round(1000 * best_floor, 2),
                    tinyserve_ms=round(1000 * ours, 2), tinyserve_fraction=round(floor / ours, 3),
                    tinyserve_fraction_of_best=round(best_floor / ours, 3))
-        if hf is not None:
-            prompts = perf.make_prompts(llm.tokenizer, [args.prompt_len] * b)
-            theirs = time_transformers(hf, prompts, args.steps)
+        if theirs is not None:
             row.update(transformers_ms=round(1000 * theirs, 2), transformers_fraction=round(floor / theirs, 3))
         row.update(peak_gflops=round(peaks[name] / 1e9, 1), bandwidth_gbs=round(bandwidth / 1e9, 1), best_dtype=best)
         rows.append(row)
@@ -179,6 +167,24 @@ def measure(args, name: str, peaks: dict[str, float], best: str, bandwidth: floa
               f"ms = {100 * row['tinyserve_fraction']:.0f}% of the {name} roofline, "
               f"{100 * row['tinyserve_fraction_of_best']:.0f}% of the machine's ({best})")
     return rows
+
+
+def readme_table(rows: list[dict]) -> str:
+    """The README's table of ``roofline.csv``: per dtype, its peak, then each batch's step as
+    "tinyserve / transformers ms (tinyserve's fraction of that dtype's roofline)"."""
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    first = {d: next(r for r in rows if r["dtype"] == d) for d in dtypes}
+    lines = ["| | " + " | ".join(dtypes) + " |", "|---" * (len(dtypes) + 1) + "|",
+             "| matmul peak (2048², `F.linear`) | " + " | ".join(f"{first[d]['peak_gflops']:.1f} GFLOP/s"
+                                                             for d in dtypes) + " |"]
+    for b in dict.fromkeys(r["batch"] for r in rows):
+        cells = []
+        for d in dtypes:
+            r = next(r for r in rows if r["dtype"] == d and r["batch"] == b)
+            theirs = f" / {r['transformers_ms']:.1f}" if r.get("transformers_ms") not in (None, "") else ""
+            cells.append(f"{r['tinyserve_ms']:.1f}{theirs} ms ({r['tinyserve_fraction']:.0%})")
+        lines.append(f"| batch {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

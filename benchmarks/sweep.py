@@ -18,10 +18,14 @@ transformers baselines. The tables are rewritten after every cell.
     python benchmarks/sweep.py            # "bench": the 16-running half, 1 run each (~17 min, 2 quiet cores)
     python benchmarks/sweep.py --full     # all 12 cells, median of 3 (135 min on 2 quiet cores)
     python benchmarks/sweep.py --quick    # 2 tiny cells (a smoke test)
+    python benchmarks/sweep.py --dtype bfloat16   # every system in bf16 (default: dtype="auto")
 
-It writes ``throughput_sweep.csv`` and ``throughput_sweep.md`` to ``--out``
-(default ``benchmarks/results``); ``make figures`` draws chapter 11's heat map of ratios from the CSV
-(``tinyserve.viz.sweep``), and ``tinyserve.lab.perf.sweep`` reads the targets off it.
+Every system runs in the same dtype: tinyserve's ``dtype="auto"`` unless ``--dtype`` names one
+(bfloat16 on a CPU with native bf16, float32 elsewhere), and transformers in whatever tinyserve
+resolved it to. It writes ``throughput_sweep.csv`` and ``throughput_sweep.md`` to ``--out``
+(default ``benchmarks/results``) for float32, ``throughput_sweep_bfloat16.*`` for bfloat16.
+``make figures`` draws chapter 11's heat maps of ratios from the CSVs (``tinyserve.viz.sweep``),
+and ``tinyserve.lab.perf.sweep`` reads the targets off them.
 """
 
 from __future__ import annotations
@@ -74,11 +78,12 @@ def grid(preset: str) -> tuple[list[Cell], int]:
     return cells, 3 if preset == "full" else 1
 
 
-def build_systems(model: str, max_running: int, quick: bool) -> list:
-    """tinyserve under its three schedules and both transformers baselines, on the same weights."""
+def build_systems(model: str, max_running: int, quick: bool, dtype: str = "auto") -> list:
+    """tinyserve under its three schedules and both transformers baselines, on the same weights
+    and in the same dtype."""
     from tinyserve import LLM
 
-    kw = dict(model=model, device="cpu", max_num_seqs=max_running, swap_space=0.0)
+    kw = dict(model=model, device="cpu", dtype=dtype, max_num_seqs=max_running, swap_space=0.0)
     vllm = LLM(**kw)
     systems = [perf.TinyserveSystem(vllm), perf.TinyserveSystem(LLM(**kw, policy="orca"), name="tinyserve-orca"),
                perf.TinyserveSystem(LLM(**kw, enable_chunked_prefill=True,
@@ -94,14 +99,19 @@ def build_systems(model: str, max_running: int, quick: bool) -> list:
     return systems
 
 
-def cell_rows(cell: Cell, w: perf.Workload, runs: dict[str, list[perf.RunResult]]) -> list[dict]:
+def results_name(dtype: str) -> str:
+    """The stem of a sweep's files: float32's keep the name they had before bf16 was measured."""
+    return "throughput_sweep" if dtype == "float32" else f"throughput_sweep_{dtype}"
+
+
+def cell_rows(cell: Cell, w: perf.Workload, runs: dict[str, list[perf.RunResult]], dtype: str) -> list[dict]:
     """One row per system: median tokens/s, spread, and (for tinyserve) ratios to the baselines."""
     med = {name: perf.median_rate(res) for name, res in runs.items()}
     ref = runs["tinyserve"][0]
     rows = []
     for name, res in runs.items():
         rates = [r.tokens_per_s for r in res]
-        row = dict(prompts=cell.prompts, outputs=cell.outputs, max_running=cell.max_running,
+        row = dict(dtype=dtype, prompts=cell.prompts, outputs=cell.outputs, max_running=cell.max_running,
                    num_requests=cell.num_requests, prompt_tokens=w.prompt_tokens, output_tokens=w.output_tokens,
                    system=name, runs=len(res), tokens_per_s=round(med[name], 2), min_tokens_per_s=round(min(rates), 2),
                    max_tokens_per_s=round(max(rates), 2),
@@ -143,6 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     size.add_argument("--full", action="store_true", help="all 12 cells, median of 3 runs each")
     ap.add_argument("--repeats", type=int, default=None, help="runs per cell (default: 1, or 3 with --full)")
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
     preset = "quick" if args.quick else "full" if args.full else "bench"
@@ -158,8 +169,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows: list[dict] = []
     for r in range(repeats):
         for max_running in dict.fromkeys(c.max_running for c in cells):
-            systems = build_systems(args.model, max_running, args.quick)
+            systems = build_systems(args.model, max_running, args.quick, args.dtype)
             tok = systems[0].llm.tokenizer
+            dtype = str(systems[0].llm.engine.executor.dtype).removeprefix("torch.")
+            if r == 0 and max_running == cells[0].max_running:
+                print(f"every system runs in {dtype}")
             perf.compare(systems, perf.uniform_workload(tok, 2, 2, 4, 8, seed=1))  # warm-up, untimed
             for i, cell in enumerate(cells):
                 if cell.max_running != max_running:
@@ -169,26 +183,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"tokens, {w.output_tokens} to generate")
                 for name, res in perf.compare(systems, w, log=print).items():
                     runs.setdefault(cell, {}).setdefault(name, []).extend(res)
-                rows = [row for c in cells if c in runs for row in cell_rows(c, workloads[c], runs[c])]
+                rows = [row for c in cells if c in runs for row in cell_rows(c, workloads[c], runs[c], dtype)]
                 _write(rows, args, preset, repeats, round(time.perf_counter() - started, 1))
             del systems
             gc.collect()
     print(markdown(rows))
-    print(f"wrote {args.out / 'throughput_sweep.csv'} ({time.perf_counter() - started:.1f} s)")
+    print(f"wrote {args.out / (results_name(rows[0]['dtype']) + '.csv')} ({time.perf_counter() - started:.1f} s)")
     return rows
 
 
 def _write(rows: list[dict], args, preset: str, repeats: int, seconds: float) -> None:
     """The CSV, the markdown table and the run's facts, as far as the sweep has got."""
     args.out.mkdir(parents=True, exist_ok=True)
-    perf.write_results("throughput_sweep", rows, args.out)
+    dtype = rows[0]["dtype"]
+    name = results_name(dtype)
+    perf.write_results(name, rows, args.out)
     done = min(r["runs"] for r in rows)
-    note = (f"Measured on {machine()}, model {args.model}, fp32 CPU, greedy with ignore_eos; "
-            f"tokens/s, median of {done} run(s) (min–max); {seconds} s in all.")
-    (args.out / "throughput_sweep.md").write_text(markdown(rows) + "\n\n" + note + "\n")
-    facts = dict(machine=machine(), model=args.model, preset=preset, repeats=repeats, runs_done=done,
+    note = (f"Measured on {machine()}, model {args.model}, {dtype} on the CPU for every system, greedy with "
+            f"ignore_eos; tokens/s, median of {done} run(s) (min–max); {seconds} s in all.")
+    (args.out / f"{name}.md").write_text(markdown(rows) + "\n\n" + note + "\n")
+    facts = dict(machine=machine(), model=args.model, dtype=dtype, preset=preset, repeats=repeats, runs_done=done,
                  cells=len({(r["prompts"], r["outputs"], r["max_running"]) for r in rows}), seconds=seconds)
-    (args.out / "throughput_sweep_machine.json").write_text(json.dumps(facts, indent=1) + "\n")
+    (args.out / f"{name}_machine.json").write_text(json.dumps(facts, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -23,8 +23,11 @@ The grid of workload shapes (prompt and output lengths, batch caps, chunked pref
 ``sweep.py``; ``roofline.py`` puts a decode step against the machine's limits and
 ``profile_step.py`` splits one into its parts.
 
-It writes ``throughput.csv``, and ``step_times.csv`` / ``step_times_orca.csv`` (where each
-tinyserve step's time went on the mixed workload), to ``--out`` (default ``benchmarks/results``).
+Every system runs in one dtype: ``--dtype``, by default what tinyserve's ``dtype="auto"`` picks
+(bfloat16 on a CPU with native bf16, float32 elsewhere). It writes ``throughput.csv``, and
+``step_times.csv`` / ``step_times_orca.csv`` (where each tinyserve step's time went on the mixed
+workload), to ``--out`` (default ``benchmarks/results``); in bfloat16 the same names end in
+``_bfloat16``.
 """
 
 from __future__ import annotations
@@ -99,14 +102,15 @@ def _byte_level_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
 
 
-def build_systems(model: str, device: str, batch: int, with_orca: bool = True) -> list:
+def build_systems(model: str, device: str, batch: int, with_orca: bool = True, dtype: str = "auto") -> list:
     """tinyserve (default "vllm" policy, and "orca" when asked), static ``generate`` and
-    ``generate_batch``, all allowed ``batch`` sequences at a time, on the same weights."""
+    ``generate_batch``, all allowed ``batch`` sequences at a time, on the same weights and in
+    the dtype tinyserve resolves ``dtype`` to."""
     from tinyserve import LLM
 
     # On a GPU the engine would take 90% of memory for its cache by default; leave room for
     # transformers' model and caches. No swap space: nothing is preempted with this much cache.
-    kw = dict(model=model, device=device, max_num_seqs=batch, swap_space=0.0,
+    kw = dict(model=model, device=device, dtype=dtype, max_num_seqs=batch, swap_space=0.0,
               gpu_memory_utilization=0.35 if device.startswith("cuda") else 0.9)
     llm = LLM(**kw)
     systems = [perf.TinyserveSystem(llm)]
@@ -149,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2-135m",
                     help="smollm2-135m, a local HF directory, or random-smollm2 / random-1b (random weights)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="every system's dtype (default: what tinyserve's dtype=\"auto\" picks)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
     model = args.model
@@ -166,8 +172,12 @@ def run(args: argparse.Namespace, model: str) -> None:
     batch = 4 if args.quick else BATCH
     print(f"machine: {machine()}")
     print(f"model: {args.model}, device {args.device}")
-    systems = build_systems(model, args.device, batch)
+    systems = build_systems(model, args.device, batch, dtype=args.dtype)
     tok = systems[0].llm.tokenizer
+    dtype = str(systems[0].llm.engine.executor.dtype).removeprefix("torch.")
+    # float32's results keep the names they had before other dtypes were measured.
+    suffix = "" if dtype == "float32" else f"_{dtype}"
+    print(f"every system runs in {dtype}")
     if args.quick:
         headline = [perf.mixed_workload(tok, 8, 2, 12, 4, 24), perf.uniform_workload(tok, 4, 8, 4, 24)]
     else:
@@ -184,8 +194,8 @@ def run(args: argparse.Namespace, model: str) -> None:
         if w is headline[0]:
             for s in systems[:2]:
                 name = "step_times" if s.name == "tinyserve" else f"step_times_{s.name.split('-')[1]}"
-                perf.write_results(name, [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()}
-                                          for r in s.last_steps], args.out)
+                steps = [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in s.last_steps]
+                perf.write_results(name + suffix, steps, args.out)
                 shares = perf.step_shares(s.last_steps)
                 print(f"{s.name} step time: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in shares.items()))
     del systems
@@ -194,7 +204,7 @@ def run(args: argparse.Namespace, model: str) -> None:
     if not (args.quick or args.no_sweeps):
         # Trends at a quarter of the scale (8 sequences a batch, shorter requests), to fit the
         # time budget: outputs 8..64 tokens (mean 36), prompts 16..64.
-        sweep = build_systems(model, args.device, SWEEP_BATCH, with_orca=False)
+        sweep = build_systems(model, args.device, SWEEP_BATCH, with_orca=False, dtype=args.dtype)
         print(f"sweeps: at most {SWEEP_BATCH} sequences per batch in every system")
         for n in (4, 8, 16, 32):
             w = perf.mixed_workload(tok, n, 8, 64, 16, 64, seed=n)
@@ -216,10 +226,10 @@ def run(args: argparse.Namespace, model: str) -> None:
             ratios = {r["system"]: ours["tokens_per_s"] / r["tokens_per_s"] for r in here
                       if not r["system"].startswith("tinyserve")}
             print(f"{w.name}: {ours['system']} is " + ", ".join(f"{v:.2f}x {k}" for k, v in ratios.items()))
-    path = perf.write_results("throughput", rows, args.out)
-    meta = dict(machine=machine(), model=args.model, device=args.device, repeats=args.repeats,
+    path = perf.write_results("throughput" + suffix, [dict(r, dtype=dtype) for r in rows], args.out)
+    meta = dict(machine=machine(), model=args.model, device=args.device, dtype=dtype, repeats=args.repeats,
                 seconds=round(time.perf_counter() - started, 1))
-    (args.out / "throughput_machine.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (args.out / f"throughput{suffix}_machine.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"wrote {path} ({meta['seconds']} s)")
 
 

@@ -111,3 +111,29 @@ def test_any_cut_of_the_decode_rows_attends_the_same(seed):
     q, kc, vc, meta, _ = make_batch(query_lens, context_lens, 4, 32, 2, seed=seed)
     got = batched.BatchedTorchBackend(split=random_cut).forward(q, kc, vc, meta, 0.2)
     torch.testing.assert_close(got, reference.paged_attention(q, kc, vc, meta, 0.2), atol=2e-6, rtol=2e-6)
+
+
+def test_store_kv_filters_a_slot_mapping_once_and_follows_every_new_one():
+    """The batched backend works out a slot mapping's padding filter once and reuses it for the
+    other layers; a new mapping, or the same tensor changed in place, is filtered again. Checked
+    against reference.store_kv on fresh caches at every call."""
+    backend = batched.BatchedTorchBackend()
+    gen = torch.Generator().manual_seed(0)
+    shape = (6, 4, 2, 8)  # blocks, block size, KV heads, head dim
+
+    def same_as_reference(slot_mapping):
+        key, value = torch.randn(5, 2, 8, generator=gen), torch.randn(5, 2, 8, generator=gen)
+        ours = torch.zeros(shape), torch.zeros(shape)
+        ref = torch.zeros(shape), torch.zeros(shape)
+        backend.store_kv(key, value, *ours, slot_mapping)
+        reference.store_kv(key, value, *ref, slot_mapping)
+        assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+
+    first = torch.tensor([3, -1, 7, 8, -1])
+    same_as_reference(first)
+    same_as_reference(first)  # the next layer: the memo
+    same_as_reference(torch.tensor([0, 1, 2, 20, 23]))  # the next step: no padding at all
+    reused = torch.tensor([5, 6, -1, 9, 10])
+    same_as_reference(reused)
+    reused[2] = 11  # the same tensor changed in place: filtered again, the padding is gone
+    same_as_reference(reused)

@@ -197,18 +197,30 @@ def test_sweep_explanations_use_the_cells_own_counts():
     assert "| short | 8-64 | 16 | 48.0 | **1.20×** | 1.50× | 1.50× | **1.20×** | **1.50×** | **1.50×** |" in table
 
 
-def test_readme_sweep_table_is_the_committed_sweep():
-    """The README shows the table ``summary_table`` makes from ``benchmarks/results``; rerunning
-    the sweep without updating the README fails here."""
+@pytest.mark.parametrize(("name", "cells", "runs"), [("throughput_sweep", 12, 3), ("throughput_sweep_bfloat16", 6, 3)])
+def test_readme_sweep_table_is_the_committed_sweep(name: str, cells: int, runs: int):
+    """The README shows the table and the target lines that ``summary_table`` and
+    ``target_summary`` make from ``benchmarks/results``, for the float32 grid and the bfloat16
+    one; rerunning a sweep without updating the README fails here."""
     import json
 
-    from tinyserve.lab.perf.sweep import summary_table
+    from tinyserve.lab.perf.sweep import summary_table, target_summary
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert summary_table(perf.read_results("throughput_sweep")) in readme
-    facts = json.loads((perf.RESULTS_DIR / "throughput_sweep_machine.json").read_text())
-    assert facts["cells"] == 12 and facts["runs_done"] == 3, facts  # the full grid, median of 3
-    assert f"median of {facts['runs_done']} runs" in readme and facts["machine"] in readme
+    rows = perf.read_results(name)
+    assert summary_table(rows) in readme
+    assert all(line in readme for line in target_summary(rows)), target_summary(rows)
+    facts = json.loads((perf.RESULTS_DIR / f"{name}_machine.json").read_text())
+    assert facts["cells"] == cells and facts["runs_done"] == runs, facts
+    assert facts["machine"] in readme
+
+
+@pytest.mark.parametrize("name", ["roofline", "levers"])
+def test_readme_shows_the_committed_roofline_and_levers(name: str):
+    """The README's roofline and levers tables are the ones their scripts make from the
+    committed CSVs: rerunning a benchmark without updating the README fails here."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert _load(name).readme_table(perf.read_results(name)) in readme
 
 
 def test_roofline_counts_every_matmul_weight_of_the_model(tiny_model_dir: Path):
@@ -262,6 +274,48 @@ def test_profile_step_splits_a_decode_step_into_parts(tiny_model_dir: Path):
     assert "forward" not in vars(llm.engine.executor.model)
     fused = ps.fusion_side_by_side(llm.engine.executor.model, 3, repeats=1)
     assert fused["fused"] > 0 and fused["split"] > 0
+
+
+@pytest.mark.slow
+def test_profile_step_run_writes_each_dtype_and_batch_beside_transformers(tiny_model_dir: Path, tmp_path: Path):
+    rows = _load("profile_step").main(["--model", str(tiny_model_dir), "--batches", "2", "3", "--steps", "2",
+                                       "--dtypes", "float32", "bfloat16", "--out", str(tmp_path)])
+    saved = perf.read_results("profile_step", tmp_path)
+    assert len(saved) == len(rows)
+    for dtype in ("float32", "bfloat16"):
+        for batch in (2, 3):
+            parts = {r["part"]: r["ms"] for r in saved if r["dtype"] == dtype and r["batch"] == batch}
+            assert parts["transformers_forward"] > 0 and parts["qkv_gate_up_fused"] > 0
+            # The parts of the step add up to it (each rounded to a microsecond).
+            step = sum(parts[k] for k in ("schedule", "prepare_inputs", "matmul", "attention", "forward_other",
+                                          "lm_head", "sample", "postprocess"))
+            assert step == pytest.approx(parts["total"], abs=0.01)
+
+
+@pytest.mark.slow
+def test_levers_time_every_lever_and_leave_the_engine_as_it_was(tiny_model_dir: Path, tmp_path: Path):
+    import torch.nn.functional as F
+
+    from tinyserve import logprobs
+    from tinyserve.attention import batched
+    from tinyserve.models import llama
+
+    originals = (batched.BatchedTorchBackend.store_kv, logprobs.token_logprobs, llama.RMSNorm.forward,
+                 llama.LlamaMLP.forward, batched.F)
+    levers = ["unchanged", "store_per_layer", "logprobs_gathered", "rms_norm_op", "attention_fp32"]
+    rows = _load("levers").main(["--model", str(tiny_model_dir), "--batches", "3", "--dtypes", "float32", "bfloat16",
+                                 "--levers", *levers, "--rounds", "2", "--steps", "1", "--out", str(tmp_path)])
+    saved = perf.read_results("levers", tmp_path)
+    assert len(saved) == len(rows)
+    for dtype in ("float32", "bfloat16"):
+        steps = {r["lever"] for r in saved if r["dtype"] == dtype and r["timed"] == "step"}
+        parts = {r["lever"] for r in saved if r["dtype"] == dtype and r["timed"] == "part"}
+        # attention_fp32 only means something where the model runs in bf16.
+        assert steps == {"base", *levers} - ({"attention_fp32"} if dtype == "float32" else set())
+        assert parts == set(levers[1:]) - ({"attention_fp32"} if dtype == "float32" else set())
+    assert all(r["ms"] > 0 and r["lever_over_base"] > 0 for r in saved)
+    assert originals == (batched.BatchedTorchBackend.store_kv, logprobs.token_logprobs, llama.RMSNorm.forward,
+                         llama.LlamaMLP.forward, F)
 
 
 def _guidellm_request(ttft_ms: float, latency_s: float, output_tokens: int, prompt_tokens: int = 64) -> dict:

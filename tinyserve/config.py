@@ -176,9 +176,9 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_dtype(dtype, device):
     """The torch dtype to run in: ``dtype`` itself, or for "auto" bfloat16 on CUDA (float16 where
-    the GPU lacks bfloat16) and, on the CPU, bfloat16 where the CPU computes it natively (as
-    vLLM's CPU backend defaults to bfloat16) and float32 where bf16 would be emulated, unless
-    ``$TINYSERVE_CPU_DTYPE`` names one."""
+    the GPU lacks bfloat16) and, on the CPU, bfloat16 where the CPU computes it natively (vLLM's
+    CPU backend, added after v0.4.0, runs a bf16 checkpoint in bf16) and float32 where bf16 would
+    be emulated, unless ``$TINYSERVE_CPU_DTYPE`` names one."""
     import torch
 
     name = dtype_name(dtype)

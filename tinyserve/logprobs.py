@@ -29,7 +29,9 @@ def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> 
         return []
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     picked = logits[index, torch.tensor(tokens, dtype=torch.long, device=logits.device)]
-    return (picked - logits.index_select(0, index).logsumexp(dim=-1)).tolist()
+    # logsumexp over the logits as they lie, then picked per row: gathering the rows first
+    # would copy every logit of the batch each step (the rows are nearly always all of them).
+    return (picked - logits.logsumexp(dim=-1)[index]).tolist()
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from tinyserve.attention.metadata import AttentionMetadata
-from tinyserve.attention.reference import store_kv
 
 # The most K (and V) values one decode sub-batch gathers by default (4 MiB in float32). On the
 # book's 2-core machine a batch-32 decode step over 380-token contexts (9 MiB per gather) took 1.7x
@@ -193,10 +192,23 @@ class BatchedTorchBackend:
 
     def __init__(self, gather_budget: int = GATHER_BUDGET, split=decode_sub_batches) -> None:
         self.gather_budget, self.split = gather_budget, split
+        self._slots: tuple | None = None  # (slot_mapping, keep mask or None, slots) of the last call
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        store_kv(key, value, k_cache, v_cache, slot_mapping)
+        # reference.store_kv's contract. Every layer of a step passes the same slot_mapping, so
+        # its padding is filtered out on the first layer only: a mask, a nonzero and two masked
+        # copies per layer cost about 1.2 ms of a batch-32 step (benchmarks/levers.py).
+        # (Compared by value: a few microseconds, and right even for a tensor changed in place.)
+        memo = self._slots
+        if memo is None or not torch.equal(memo[0], slot_mapping):
+            keep = slot_mapping >= 0
+            memo = self._slots = (slot_mapping.clone(), None if bool(keep.all()) else keep, slot_mapping[keep].long())
+        _, keep, slots = memo
+        if keep is not None:
+            key, value = key[keep], value[keep]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:

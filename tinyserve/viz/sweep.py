@@ -37,10 +37,15 @@ def draw_sweep_heatmap(rows: list[dict]):
     axes[0].set_yticks(range(len(labels)), labels)
     fig.colorbar(im, ax=axes, shrink=0.8, label="throughput ratio (tokens/s)")
     runs = min(r["runs"] for r in rows)
-    fig.suptitle(f"Throughput ratios over workload shapes (median of {runs} run{'s' * (runs > 1)}; "
+    dtype = rows[0].get("dtype") or "float32"  # the sweeps before bf16 was measured were float32
+    fig.suptitle(f"Throughput ratios over workload shapes, {dtype} (median of {runs} run{'s' * (runs > 1)}; "
                  "dashed: below target)")
     return fig
 
 
 def sweep_figure():
     return draw_sweep_heatmap(read_results("throughput_sweep"))
+
+
+def sweep_figure_bfloat16():
+    return draw_sweep_heatmap(read_results("throughput_sweep_bfloat16"))
