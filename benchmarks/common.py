@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -37,3 +39,20 @@ def table(rows: list[dict], columns: list[str], formats: dict[str, str] | None =
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+
+
+@contextmanager
+def patched(obj, attr: str, value) -> Iterator[None]:
+    """``obj.attr = value`` for the duration of the block, then back as it was: the same value
+    where ``obj`` held it itself (an instance attribute or a module global), or no attribute of its
+    own where it came from a class."""
+    had = attr in vars(obj)
+    original = vars(obj).get(attr)
+    setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, attr, original)
+        else:
+            delattr(obj, attr)

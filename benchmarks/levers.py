@@ -53,28 +53,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from common import RESULTS_DIR, machine, table  # noqa: E402
+from common import RESULTS_DIR, machine, patched, table  # noqa: E402
 from profile_step import DTYPES, build_llm, fill  # noqa: E402
 
 from tinyserve import logprobs  # noqa: E402
 from tinyserve.attention import batched, reference  # noqa: E402
 from tinyserve.lab import perf  # noqa: E402
 from tinyserve.models import llama  # noqa: E402
-
-
-@contextmanager
-def patched(obj, attr: str, value) -> Iterator[None]:
-    """``obj.attr = value`` for the duration of the block."""
-    had = attr in vars(obj)
-    original = vars(obj).get(attr)
-    setattr(obj, attr, value)
-    try:
-        yield
-    finally:
-        if had:
-            setattr(obj, attr, original)
-        else:
-            delattr(obj, attr)
 
 
 @contextmanager

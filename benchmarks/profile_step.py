@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from common import RESULTS_DIR, machine  # noqa: E402
+from common import RESULTS_DIR, machine, patched  # noqa: E402
 
 from tinyserve import SamplingParams  # noqa: E402
 from tinyserve.lab import perf  # noqa: E402
@@ -53,7 +53,6 @@ class Timers:
     def wrap(self, obj, attr: str, label: str):
         """Time every call of ``obj.attr`` under ``label`` while the block runs."""
         original = getattr(obj, attr)
-        own = attr in vars(obj)  # an instance attribute (or module global), not a class method
 
         def timed(*args, **kwargs):
             t = time.perf_counter()
@@ -62,14 +61,8 @@ class Timers:
             finally:
                 self.acc[label] += time.perf_counter() - t
 
-        setattr(obj, attr, timed)
-        try:
+        with patched(obj, attr, timed):
             yield
-        finally:
-            if own:
-                setattr(obj, attr, original)
-            else:
-                delattr(obj, attr)  # back to the class's method
 
 
 def build_llm(model: str, batch: int, dtype: torch.dtype | str = "auto"):
