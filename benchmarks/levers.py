@@ -113,6 +113,26 @@ def attention_fp32(llm) -> Iterator[None]:
         yield
 
 
+class _MatmulAttention:
+    """``torch.nn.functional`` as the batched backend sees it, with SDPA spelled out as two
+    matmuls in the inputs' dtype and a float32 softmax between them."""
+
+    def __getattr__(self, name: str):
+        return getattr(F, name)
+
+    @staticmethod
+    def scaled_dot_product_attention(q, k, v, attn_mask=None, scale=None):
+        scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+        scores.masked_fill_(~attn_mask, float("-inf"))
+        return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
+
+
+@contextmanager
+def attention_matmul(llm) -> Iterator[None]:
+    with patched(batched, "F", _MatmulAttention()):
+        yield
+
+
 # Seconds spent compiling, per dtype: torch.compile is lazy, so it is the first steps' extra time.
 COMPILE_SECONDS: dict[str, float] = {}
 _COMPILED: dict[str, tuple] = {}
@@ -142,7 +162,8 @@ def unchanged(llm) -> Iterator[None]:
 
 LEVERS: dict[str, Callable] = {"unchanged": unchanged, "store_per_layer": store_per_layer,
                                "logprobs_gathered": logprobs_gathered, "rms_norm_op": rms_norm_op,
-                               "attention_fp32": attention_fp32, "compile_mlp": compile_mlp}
+                               "attention_fp32": attention_fp32, "attention_matmul": attention_matmul,
+                               "compile_mlp": compile_mlp}
 
 
 def measure(llm, levers: list[str], rounds: int, steps: int) -> dict[str, list[float]]:
@@ -178,7 +199,7 @@ def capture_step(llm) -> dict:
     return seen
 
 
-def time_parts(llm, batch: int, rounds: int, repeats: int = 20) -> list[tuple[str, float, float]]:
+def time_parts(llm, batch: int, levers: list[str], rounds: int, repeats: int = 20) -> list[tuple[str, float, float]]:
     """``(lever, ms of the package's way, ms of the lever's way)`` for the part of one decode
     step each lever changes, summed over the layers, on one step's real inputs (the next step's:
     after ``measure``, so the contexts are as long as the run made them); medians of ``rounds``
@@ -209,12 +230,14 @@ def time_parts(llm, batch: int, rounds: int, repeats: int = 20) -> list[tuple[st
                                       for n in norms])}
     if dtype != torch.float32:
         pairs["attention_fp32"] = (attend, None)  # the lever's way: attend() under the patch
+    pairs["attention_matmul"] = (attend, None)
+    pairs = {name: pair for name, pair in pairs.items() if name in levers}
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in pairs}
     with torch.inference_mode():
         for _ in range(rounds):
             for name, (ours, theirs) in pairs.items():
                 times[name][0].append(_median_call(ours, repeats))
-                if theirs is None:
+                if theirs is None:  # the same call, under the lever's patch
                     with LEVERS[name](llm):
                         times[name][1].append(_median_call(ours, repeats))
                 else:
@@ -262,7 +285,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                  if name == "compile_mlp" else ""))
                 print(f"{dtype} batch {batch} step {name:>18}: {1000 * med:7.1f} ms against the base's "
                       f"{1000 * base:.1f}")
-            for name, ours, theirs in time_parts(llm, batch, args.rounds):
+            for name, ours, theirs in time_parts(llm, batch, levers, args.rounds):
                 rows.append(dict(dtype=dtype, batch=batch, timed="part", lever=name, ms=round(1000 * theirs, 3),
                                  base_ms=round(1000 * ours, 3), lever_over_base=round(theirs / ours, 3), compile_s=""))
                 print(f"{dtype} batch {batch} part {name:>18}: {1000 * theirs:7.3f} ms against the package's "

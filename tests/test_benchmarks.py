@@ -302,7 +302,7 @@ def test_levers_time_every_lever_and_leave_the_engine_as_it_was(tiny_model_dir: 
 
     originals = (batched.BatchedTorchBackend.store_kv, logprobs.token_logprobs, llama.RMSNorm.forward,
                  llama.LlamaMLP.forward, batched.F)
-    levers = ["unchanged", "store_per_layer", "logprobs_gathered", "rms_norm_op", "attention_fp32"]
+    levers = ["unchanged", "store_per_layer", "logprobs_gathered", "rms_norm_op", "attention_fp32", "attention_matmul"]
     rows = _load("levers").main(["--model", str(tiny_model_dir), "--batches", "3", "--dtypes", "float32", "bfloat16",
                                  "--levers", *levers, "--rounds", "2", "--steps", "1", "--out", str(tmp_path)])
     saved = perf.read_results("levers", tmp_path)

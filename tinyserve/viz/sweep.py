@@ -47,5 +47,5 @@ def sweep_figure():
     return draw_sweep_heatmap(read_results("throughput_sweep"))
 
 
-def sweep_figure_bfloat16():
+def bfloat16_sweep_figure():
     return draw_sweep_heatmap(read_results("throughput_sweep_bfloat16"))
