@@ -18,11 +18,13 @@ Two levers paid and are in the package; they appear here as the old way, to meas
   copy of the logits' rows (the whole ``[batch, vocab]`` every step); ``logprobs.token_logprobs``
   now takes it over the logits as they lie.
 
-Three did not pay, and stay here, measured:
+Four did not pay, and stay here, measured:
 
 - ``rms_norm_op``: ``torch.nn.functional.rms_norm``, one op, instead of RMSNorm spelled out.
 - ``attention_fp32``: in bfloat16, the decode attention (SDPA) computed in float32 on converted
   copies (the CPU's bf16 SDPA ran about half as fast as its float32 one on small decode shapes).
+- ``attention_matmul``: the attention's SDPA spelled out as two matmuls with a float32 softmax
+  between them (faster than SDPA on short bf16 decode contexts in a microbenchmark).
 - ``compile_mlp``: ``torch.compile`` (inductor, dynamic shapes) of every layer's MLP and norms, so
   SiLU·up and RMSNorm become fused loops; its compile time is reported apart.
 
