@@ -60,6 +60,7 @@ from profile_step import DTYPES, build_llm, fill  # noqa: E402
 
 from tinyserve import logprobs  # noqa: E402
 from tinyserve.attention import batched, reference  # noqa: E402
+from tinyserve.config import dtype_name  # noqa: E402
 from tinyserve.lab import perf  # noqa: E402
 from tinyserve.models import llama  # noqa: E402
 
@@ -97,41 +98,37 @@ def rms_norm_op(llm) -> Iterator[None]:
         yield
 
 
-class _Float32Attention:
-    """``torch.nn.functional`` as the batched backend sees it, with SDPA run in float32."""
+class _FunctionalWith:
+    """``torch.nn.functional`` as the batched backend sees it, with its SDPA replaced."""
+
+    def __init__(self, sdpa) -> None:
+        self.scaled_dot_product_attention = sdpa
 
     def __getattr__(self, name: str):
         return getattr(F, name)
 
-    @staticmethod
-    def scaled_dot_product_attention(q, k, v, attn_mask=None, scale=None):
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask, scale=scale)
-        return out.to(q.dtype)
+
+def sdpa_in_float32(q, k, v, attn_mask=None, scale=None):
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=attn_mask, scale=scale)
+    return out.to(q.dtype)
+
+
+def sdpa_by_matmuls(q, k, v, attn_mask=None, scale=None):
+    """Two matmuls in the inputs' dtype and a float32 softmax between them."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    scores.masked_fill_(~attn_mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
 
 
 @contextmanager
 def attention_fp32(llm) -> Iterator[None]:
-    with patched(batched, "F", _Float32Attention()):
+    with patched(batched, "F", _FunctionalWith(sdpa_in_float32)):
         yield
-
-
-class _MatmulAttention:
-    """``torch.nn.functional`` as the batched backend sees it, with SDPA spelled out as two
-    matmuls in the inputs' dtype and a float32 softmax between them."""
-
-    def __getattr__(self, name: str):
-        return getattr(F, name)
-
-    @staticmethod
-    def scaled_dot_product_attention(q, k, v, attn_mask=None, scale=None):
-        scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
-        scores.masked_fill_(~attn_mask, float("-inf"))
-        return torch.matmul(scores.softmax(dim=-1).to(q.dtype), v)
 
 
 @contextmanager
 def attention_matmul(llm) -> Iterator[None]:
-    with patched(batched, "F", _MatmulAttention()):
+    with patched(batched, "F", _FunctionalWith(sdpa_by_matmuls)):
         yield
 
 
@@ -142,7 +139,7 @@ _COMPILED: dict[str, tuple] = {}
 
 @contextmanager
 def compile_mlp(llm) -> Iterator[None]:
-    dtype = str(llm.engine.executor.dtype).removeprefix("torch.")
+    dtype = dtype_name(llm.engine.executor.dtype)
     first = dtype not in _COMPILED
     if first:
         _COMPILED[dtype] = (torch.compile(llama.LlamaMLP.forward, dynamic=True),
@@ -204,7 +201,8 @@ def capture_step(llm) -> dict:
 def time_parts(llm, batch: int, levers: list[str], rounds: int, repeats: int = 20) -> list[tuple[str, float, float]]:
     """``(lever, ms of the package's way, ms of the lever's way)`` for the part of one decode
     step each lever changes, summed over the layers, on one step's real inputs (the next step's:
-    after ``measure``, so the contexts are as long as the run made them); medians of ``rounds``
+    after ``measure``, so the contexts are as long as the run made them): the same call, plain
+    and under the lever's patch (each looks its function up when called); medians of ``rounds``
     interleaved runs of ``repeats`` each."""
     model = llm.engine.executor.model
     step = capture_step(llm)
@@ -218,32 +216,28 @@ def time_parts(llm, batch: int, levers: list[str], rounds: int, repeats: int = 2
     norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     scale = model.head_dim ** -0.5
 
-    def store(fn):
-        return lambda: [fn(k, k, kc, vc, meta.slot_mapping) for kc, vc in kv_caches]
+    def store():
+        return [backend.store_kv(k, k, kc, vc, meta.slot_mapping) for kc, vc in kv_caches]
+
+    def sampled_logprobs():
+        return logprobs.token_logprobs(logits, list(range(batch)), [0] * batch)
+
+    def normalize():
+        return [n(x) for n in norms]
 
     def attend():
         return [backend.forward(q, kc, vc, meta, scale) for kc, vc in kv_caches]
 
-    pairs = {"store_per_layer": (store(backend.store_kv), store(reference.store_kv)),
-             "logprobs_gathered": (lambda: logprobs.token_logprobs(logits, list(range(batch)), [0] * batch),
-                                   lambda: gathered_token_logprobs(logits, list(range(batch)), [0] * batch)),
-             "rms_norm_op": (lambda: [n(x) for n in norms],
-                             lambda: [F.rms_norm(x.float(), (x.shape[-1],), eps=n.eps).to(dtype) * n.weight
-                                      for n in norms])}
-    if dtype != torch.float32:
-        pairs["attention_fp32"] = (attend, None)  # the lever's way: attend() under the patch
-    pairs["attention_matmul"] = (attend, None)
-    pairs = {name: pair for name, pair in pairs.items() if name in levers}
-    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in pairs}
+    parts = {"store_per_layer": store, "logprobs_gathered": sampled_logprobs, "rms_norm_op": normalize,
+             "attention_fp32": attend, "attention_matmul": attend}
+    chosen = [name for name in parts if name in levers]
+    times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in chosen}
     with torch.inference_mode():
         for _ in range(rounds):
-            for name, (ours, theirs) in pairs.items():
-                times[name][0].append(_median_call(ours, repeats))
-                if theirs is None:  # the same call, under the lever's patch
-                    with LEVERS[name](llm):
-                        times[name][1].append(_median_call(ours, repeats))
-                else:
-                    times[name][1].append(_median_call(theirs, repeats))
+            for name in chosen:
+                times[name][0].append(_median_call(parts[name], repeats))
+                with LEVERS[name](llm):
+                    times[name][1].append(_median_call(parts[name], repeats))
     return [(name, statistics.median(a), statistics.median(b)) for name, (a, b) in times.items()]
 
 

@@ -194,6 +194,17 @@ def transformers_decoder(hf, prompts: list[list[int]]):
     return step
 
 
+def take_turns(ours, theirs, steps: int) -> tuple[list, list]:
+    """What ``ours()`` and ``theirs()`` return over ``steps`` calls each, called in turn (theirs
+    is None where transformers is left out: then only ours)."""
+    mine, their_results = [], []
+    for _ in range(steps):
+        mine.append(ours())
+        if theirs is not None:
+            their_results.append(theirs())
+    return mine, their_results
+
+
 def profile_dtype(args, name: str) -> list[dict]:
     """The rows of one dtype: each batch's parts, the fused-projection comparison, and
     transformers' decode forward at the same batch, context and dtype, step for step in turn."""
@@ -206,11 +217,7 @@ def profile_dtype(args, name: str) -> list[dict]:
         # The same context as tinyserve's steps (the prompt and its first token, then decoding).
         theirs = None if hf is None else transformers_decoder(
             hf, perf.make_prompts(llm.tokenizer, [args.prompt_len + 1] * batch))
-        ours, their_times = [], []
-        for _ in range(args.steps):
-            ours += profile(llm, 1)
-            if theirs is not None:
-                their_times.append(theirs())
+        ours, their_times = take_turns(lambda: profile(llm, 1)[0], theirs, args.steps)
         med = summarize(ours)
         llm.engine.abort_request([f"r{i}" for i in range(batch)])
         print(f"{name}: " + report(med, batch))

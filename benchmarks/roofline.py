@@ -45,7 +45,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from common import RESULTS_DIR, machine, table  # noqa: E402
-from profile_step import DTYPES, build_llm, fill, transformers_decoder  # noqa: E402
+from profile_step import DTYPES, build_llm, fill, take_turns, transformers_decoder  # noqa: E402
 
 from tinyserve.lab import perf  # noqa: E402
 
@@ -99,11 +99,7 @@ def time_steps(llm, hf, batch: int, prompt_len: int, steps: int) -> tuple[float,
     llm.engine.step()  # warm-up
     theirs = None if hf is None else transformers_decoder(hf, perf.make_prompts(llm.tokenizer,
                                                                                 [prompt_len + 1] * batch))
-    ours, their_times = [], []
-    for _ in range(steps):
-        ours.append(_timed(llm.engine.step))
-        if theirs is not None:
-            their_times.append(theirs())
+    ours, their_times = take_turns(lambda: _timed(llm.engine.step), theirs, steps)
     llm.engine.abort_request([f"r{i}" for i in range(batch)])
     return statistics.median(ours), statistics.median(their_times) if their_times else None
 

@@ -47,6 +47,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from common import RESULTS_DIR, machine  # noqa: E402
 
+from tinyserve.config import dtype_name  # noqa: E402
 from tinyserve.lab import perf  # noqa: E402
 from tinyserve.lab.perf.sweep import BASELINES, OURS  # noqa: E402
 
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for max_running in dict.fromkeys(c.max_running for c in cells):
             systems = build_systems(args.model, max_running, args.quick, args.dtype)
             tok = systems[0].llm.tokenizer
-            dtype = str(systems[0].llm.engine.executor.dtype).removeprefix("torch.")
+            dtype = dtype_name(systems[0].llm.engine.executor.dtype)
             if r == 0 and max_running == cells[0].max_running:
                 print(f"every system runs in {dtype}")
             perf.compare(systems, perf.uniform_workload(tok, 2, 2, 4, 8, seed=1))  # warm-up, untimed

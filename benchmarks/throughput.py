@@ -53,6 +53,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from common import RESULTS_DIR, machine, table  # noqa: E402
 
+from tinyserve.config import dtype_name  # noqa: E402
 from tinyserve.lab import perf  # noqa: E402
 
 BATCH = 32
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace, model: str) -> None:
     print(f"model: {args.model}, device {args.device}")
     systems = build_systems(model, args.device, batch, dtype=args.dtype)
     tok = systems[0].llm.tokenizer
-    dtype = str(systems[0].llm.engine.executor.dtype).removeprefix("torch.")
+    dtype = dtype_name(systems[0].llm.engine.executor.dtype)
     # float32's results keep the names they had before other dtypes were measured.
     suffix = "" if dtype == "float32" else f"_{dtype}"
     print(f"every system runs in {dtype}")

@@ -198,7 +198,7 @@ class BatchedTorchBackend:
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # reference.store_kv's contract. Every layer of a step passes the same slot_mapping, so
         # its padding is filtered out on the first layer only: a mask, a nonzero and two masked
-        # copies per layer cost about 1.2 ms of a batch-32 step (benchmarks/levers.py).
+        # copies in every layer cost 6.6-8.0 ms of a batch-16 or -32 step (benchmarks/levers.py).
         # (Compared by value: a few microseconds, and right even for a tensor changed in place.)
         memo = self._slots
         if memo is None or not torch.equal(memo[0], slot_mapping):
