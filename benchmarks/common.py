@@ -30,6 +30,12 @@ def machine() -> str:
             f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
 
 
+def dtype_suffix(dtype: str) -> str:
+    """What a benchmark's result files add to their name for ``dtype``: nothing for float32, whose
+    files keep the names they had before other dtypes were measured, else ``_<dtype>``."""
+    return "" if dtype == "float32" else f"_{dtype}"
+
+
 def table(rows: list[dict], columns: list[str], formats: dict[str, str] | None = None) -> str:
     """A plain-text table of ``rows`` (dicts), one column per name in ``columns``."""
     formats = formats or {}

@@ -19,11 +19,16 @@ transformers baselines. The tables are rewritten after every cell.
     python benchmarks/sweep.py --full     # all 12 cells, median of 3 (135 min on 2 quiet cores)
     python benchmarks/sweep.py --quick    # 2 tiny cells (a smoke test)
     python benchmarks/sweep.py --dtype bfloat16   # every system in bf16 (default: dtype="auto")
+    python benchmarks/sweep.py --full --running 32 --keep   # measure one half, keep the other's rows
+    python benchmarks/sweep.py --dtype float32 --name throughput_sweep_float32_native_bf16  # other files
 
 Every system runs in the same dtype: tinyserve's ``dtype="auto"`` unless ``--dtype`` names one
 (bfloat16 on a CPU with native bf16, float32 elsewhere), and transformers in whatever tinyserve
 resolved it to. It writes ``throughput_sweep.csv`` and ``throughput_sweep.md`` to ``--out``
-(default ``benchmarks/results``) for float32, ``throughput_sweep_bfloat16.*`` for bfloat16.
+(default ``benchmarks/results``) for float32, ``throughput_sweep_bfloat16.*`` for bfloat16, or
+``<--name>.*``. ``--keep`` keeps the rows of cells this run does not measure from the files it
+rewrites, only if they were measured on a machine with the same description; the run's facts
+then name both runs.
 ``make figures`` draws chapter 11's heat maps of ratios from the CSVs (``tinyserve.viz.sweep``),
 and ``tinyserve.lab.perf.sweep`` reads the targets off them.
 """
@@ -45,7 +50,7 @@ if str(REPO) not in sys.path:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from common import RESULTS_DIR, machine  # noqa: E402
+from common import RESULTS_DIR, dtype_suffix, machine  # noqa: E402
 
 from tinyserve.config import dtype_name  # noqa: E402
 from tinyserve.lab import perf  # noqa: E402
@@ -69,11 +74,11 @@ class Cell:
         return perf.Workload(f"{self.prompts}/{self.outputs}/{self.max_running}", w.prompts, w.output_lens)
 
 
-def grid(preset: str) -> tuple[list[Cell], int]:
-    """The cells of a preset and how many runs each gets."""
+def grid(preset: str, running: tuple[int, ...] | None = None) -> tuple[list[Cell], int]:
+    """The cells of a preset (only those at ``running``, where given) and how many runs each gets."""
     if preset == "quick":
         return [Cell("short", "8-64", 4, 6), Cell("long", "uniform-64", 4, 4)], 1
-    running = (16, 32) if preset == "full" else (16,)
+    running = running or ((16, 32) if preset == "full" else (16,))
     # More requests than may run at once, so continuous batching has work to refill with.
     cells = [Cell(p, o, b, b * 3 // 2) for b in running for p in PROMPTS for o in OUTPUTS]
     return cells, 3 if preset == "full" else 1
@@ -98,11 +103,6 @@ def build_systems(model: str, max_running: int, quick: bool, dtype: str = "auto"
     systems.append(perf.GenerateBatchSystem(hf, max_running, num_blocks=vllm.engine.cache_config.num_gpu_blocks,
                                             pad_token_id=pad))
     return systems
-
-
-def results_name(dtype: str) -> str:
-    """The stem of a sweep's files: float32's keep the name they had before bf16 was measured."""
-    return "throughput_sweep" if dtype == "float32" else f"throughput_sweep_{dtype}"
 
 
 def cell_rows(cell: Cell, w: perf.Workload, runs: dict[str, list[perf.RunResult]], dtype: str) -> list[dict]:
@@ -155,19 +155,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=None, help="runs per cell (default: 1, or 3 with --full)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--running", type=int, nargs="+", choices=[16, 32], default=None,
+                    help="measure only the cells with this many running")
+    ap.add_argument("--keep", action="store_true", help="keep the other cells' rows from the files rewritten")
+    ap.add_argument("--name", default=None, help="stem of the files written (default: from the dtype)")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
     preset = "quick" if args.quick else "full" if args.full else "bench"
-    cells, repeats = grid(preset)
+    cells, repeats = grid(preset, tuple(args.running) if args.running else None)
     repeats = args.repeats if args.repeats is not None else repeats
     if repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {repeats}")
+    if args.keep and args.name is None and args.dtype == "auto":
+        raise ValueError("--keep needs the files named: give --dtype float32/bfloat16 or --name")
 
     started = time.perf_counter()
     print(f"machine: {machine()}\nsweep {preset}: {len(cells)} cells x {repeats} runs, model {args.model}")
     runs: dict[Cell, dict[str, list[perf.RunResult]]] = {}
     workloads: dict[Cell, perf.Workload] = {}
     rows: list[dict] = []
+    kept: list[dict] | None = None
     for r in range(repeats):
         for max_running in dict.fromkeys(c.max_running for c in cells):
             systems = build_systems(args.model, max_running, args.quick, args.dtype)
@@ -184,27 +191,60 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"tokens, {w.output_tokens} to generate")
                 for name, res in perf.compare(systems, w, log=print).items():
                     runs.setdefault(cell, {}).setdefault(name, []).extend(res)
+                name = args.name or "throughput_sweep" + dtype_suffix(dtype)
+                if kept is None:  # read once, before this run first rewrites the files
+                    kept = _kept_rows(args, name, cells, dtype)
                 rows = [row for c in cells if c in runs for row in cell_rows(c, workloads[c], runs[c], dtype)]
-                _write(rows, args, preset, repeats, round(time.perf_counter() - started, 1))
+                _write(_in_grid_order(kept + rows), name, args, preset, repeats,
+                       round(time.perf_counter() - started, 1))
             del systems
             gc.collect()
+    rows = _in_grid_order(kept + rows)
     print(markdown(rows))
-    print(f"wrote {args.out / (results_name(rows[0]['dtype']) + '.csv')} ({time.perf_counter() - started:.1f} s)")
+    print(f"wrote {args.out / (name + '.csv')} ({time.perf_counter() - started:.1f} s)")
     return rows
 
 
-def _write(rows: list[dict], args, preset: str, repeats: int, seconds: float) -> None:
+def _in_grid_order(rows: list[dict]) -> list[dict]:
+    """Kept and new rows as the grid lists them: each half's cells together, 16 running first."""
+    return sorted(rows, key=lambda r: r["max_running"])  # stable: each part is already in grid order
+
+
+def _kept_rows(args, name: str, cells: list[Cell], dtype: str) -> list[dict]:
+    """With ``--keep``: the rows of the cells this run does not measure, from the files it rewrites.
+
+    They are kept only if they ran on a machine described as this one is and in the same dtype, so
+    one file never mixes machines."""
+    if not args.keep or not (args.out / f"{name}.csv").exists():
+        return []
+    earlier = json.loads((args.out / f"{name}_machine.json").read_text())
+    if earlier["machine"] != machine() or earlier["dtype"] != dtype:
+        raise ValueError(f"--keep: {name} was measured on {earlier['machine']!r} in {earlier['dtype']}, "
+                         f"this run is on {machine()!r} in {dtype}; measure every cell instead")
+    measured = {(c.prompts, c.outputs, c.max_running) for c in cells}
+    rows = [r for r in perf.read_results(name, args.out)
+            if (r["prompts"], r["outputs"], r["max_running"]) not in measured]
+    args.earlier = {k: v for k, v in earlier.items() if k != "earlier"}
+    return rows
+
+
+def _write(rows: list[dict], name: str, args, preset: str, repeats: int, seconds: float) -> None:
     """The CSV, the markdown table and the run's facts, as far as the sweep has got."""
     args.out.mkdir(parents=True, exist_ok=True)
     dtype = rows[0]["dtype"]
-    name = results_name(dtype)
     perf.write_results(name, rows, args.out)
     done = min(r["runs"] for r in rows)
+    earlier = getattr(args, "earlier", None)
+    measured = "/".join(map(str, args.running or ()))
+    kept = (f" (only cells at running {measured} in this run, the rest kept from one of {earlier['seconds']} s)"
+            if earlier else "")
     note = (f"Measured on {machine()}, model {args.model}, {dtype} on the CPU for every system, greedy with "
-            f"ignore_eos; tokens/s, median of {done} run(s) (min–max); {seconds} s in all.")
+            f"ignore_eos; tokens/s, median of {done} run(s) (min–max); {seconds} s in all{kept}.")
     (args.out / f"{name}.md").write_text(markdown(rows) + "\n\n" + note + "\n")
     facts = dict(machine=machine(), model=args.model, dtype=dtype, preset=preset, repeats=repeats, runs_done=done,
                  cells=len({(r["prompts"], r["outputs"], r["max_running"]) for r in rows}), seconds=seconds)
+    if earlier:
+        facts["earlier"] = earlier
     (args.out / f"{name}_machine.json").write_text(json.dumps(facts, indent=1) + "\n")
 
 

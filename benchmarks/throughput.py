@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-from common import RESULTS_DIR, machine, table  # noqa: E402
+from common import RESULTS_DIR, dtype_suffix, machine, table  # noqa: E402
 
 from tinyserve.config import dtype_name  # noqa: E402
 from tinyserve.lab import perf  # noqa: E402
@@ -176,8 +176,7 @@ def run(args: argparse.Namespace, model: str) -> None:
     systems = build_systems(model, args.device, batch, dtype=args.dtype)
     tok = systems[0].llm.tokenizer
     dtype = dtype_name(systems[0].llm.engine.executor.dtype)
-    # float32's results keep the names they had before other dtypes were measured.
-    suffix = "" if dtype == "float32" else f"_{dtype}"
+    suffix = dtype_suffix(dtype)
     print(f"every system runs in {dtype}")
     if args.quick:
         headline = [perf.mixed_workload(tok, 8, 2, 12, 4, 24), perf.uniform_workload(tok, 4, 8, 4, 24)]

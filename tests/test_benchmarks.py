@@ -150,7 +150,7 @@ def test_sweep_quick_run_and_heat_map(tiny_model_dir: Path, tmp_path: Path):
 
 
 def test_sweep_targets_and_shortfalls_on_a_made_up_table():
-    from tinyserve.lab.perf.sweep import shortfalls, target, work
+    from tinyserve.lab.perf.sweep import shortfalls, target, target_summary, work
 
     def row(prompts, outputs, system, rate):
         return dict(prompts=prompts, outputs=outputs, max_running=16, system=system, tokens_per_s=rate)
@@ -165,8 +165,35 @@ def test_sweep_targets_and_shortfalls_on_a_made_up_table():
     missed = {(s.cell[1], s.schedule, s.baseline, round(s.ratio, 2)) for s in shortfalls(rows)}
     # 26/20 meets 1.3 exactly; only the uniform cell's vllm policy misses (0.95x and 1.9x).
     assert missed == {("uniform-64", "tinyserve", "generate", 0.95), ("uniform-64", "tinyserve", "generate_batch", 1.9)}
+    lines = target_summary(rows)
+    assert lines[1].endswith("met by 2 of 3 schedule-cells (ratios 0.95–1.50×); missed by vllm policy on "
+                             "short/uniform-64/16 0.95×.")
+    assert lines[2].endswith("missed by vllm policy on short/uniform-64/16 1.90×.")
+    # Where most pairs miss, the line names the few that reach the target instead.
+    slower = [dict(r, tokens_per_s=18) if r["system"] == "generate_batch" else r for r in rows]
+    assert target_summary(slower)[2] == ("at least 2.0× `generate_batch`: met by 2 of 6 schedule-cells (ratios "
+                                         "1.06–2.22×); reached by orca policy on short/8-64/16 2.17×, chunked "
+                                         "prefill on short/8-64/16 2.22×.")
     w = work(dict(forwards=10, prefill_forwards=2, decode_rows=40), num_requests=4, output_tokens=24)
     assert w == dict(forwards=10, prefill_forwards=2, rows_per_pass=5.0, useful=0.5)
+
+
+def test_dtype_speedups_divide_each_systems_rate_in_the_cells_both_sweeps_have():
+    from tinyserve.lab.perf.sweep import BASELINES, OURS, dtype_speedups, dtype_table
+
+    systems = OURS + BASELINES
+    def rows(running, scale):
+        return [dict(prompts="short", outputs="8-64", max_running=n, system=s, tokens_per_s=10.0 * (i + 1) * scale)
+                for n in running for i, s in enumerate(systems)]
+
+    fp32, bf16 = rows((16,), 1.0), rows((16, 32), 1.5)
+    bf16[3]["tokens_per_s"] = 80.0  # generate at 16 running: 2x its 40 tok/s in float32
+    ups = dtype_speedups(fp32, bf16)
+    assert list(ups) == [("short", "8-64", 16)]  # the 32-running cell is only in one sweep
+    assert ups[("short", "8-64", 16)] == dict.fromkeys(systems, 1.5) | {"generate": 2.0}
+    table = dtype_table(fp32, bf16)
+    assert table.count("\n") == 2  # header, separator, one cell
+    assert "| short | 8-64 | 16 | 10.0 | 15.0 | 1.50× | 1.50× | 1.50× | 2.00× | 1.50× |" in table
 
 
 def test_sweep_explanations_use_the_cells_own_counts():
@@ -197,11 +224,38 @@ def test_sweep_explanations_use_the_cells_own_counts():
     assert "| short | 8-64 | 16 | 48.0 | **1.20×** | 1.50× | 1.50× | **1.20×** | **1.50×** | **1.50×** |" in table
 
 
-@pytest.mark.parametrize(("name", "cells", "runs"), [("throughput_sweep", 12, 3), ("throughput_sweep_bfloat16", 6, 3)])
+def test_sweep_keeps_the_other_half_only_from_the_same_machine(tmp_path: Path):
+    """``--keep`` keeps the rows of the cells a run does not measure, and refuses rows measured on
+    a machine described otherwise or in another dtype, naming both."""
+    import argparse
+    import json
+
+    sweep = _load("sweep")
+    rows = [dict(dtype="bfloat16", prompts=p, outputs="8-64", max_running=n, system="tinyserve", tokens_per_s=1.5)
+            for n in (16, 32) for p in ("short", "long")]
+    perf.write_results("grid", rows, tmp_path)
+    facts = dict(machine=sweep.machine(), dtype="bfloat16", seconds=12.0)
+    (tmp_path / "grid_machine.json").write_text(json.dumps(facts))
+    cells, _ = sweep.grid("full", (32,))
+    args = argparse.Namespace(keep=True, out=tmp_path, running=[32])
+    kept = sweep._kept_rows(args, "grid", cells, "bfloat16")
+    assert [(r["prompts"], r["max_running"]) for r in kept] == [("short", 16), ("long", 16)]
+    assert args.earlier == facts
+    assert sweep._in_grid_order([rows[2], *kept]) == [*kept, rows[2]]
+    with pytest.raises(ValueError, match="measured on .* in bfloat16, this run is on .* in float32"):
+        sweep._kept_rows(args, "grid", cells, "float32")
+    (tmp_path / "grid_machine.json").write_text(json.dumps(dict(facts, machine="another CPU")))
+    with pytest.raises(ValueError, match="'another CPU'"):
+        sweep._kept_rows(args, "grid", cells, "bfloat16")
+    assert sweep._kept_rows(argparse.Namespace(keep=False, out=tmp_path), "grid", cells, "bfloat16") == []
+
+
+@pytest.mark.parametrize(("name", "cells", "runs"), [("throughput_sweep", 12, 3), ("throughput_sweep_bfloat16", 12, 3),
+                                                     ("throughput_sweep_float32_native_bf16", 6, 3)])
 def test_readme_sweep_table_is_the_committed_sweep(name: str, cells: int, runs: int):
     """The README shows the table and the target lines that ``summary_table`` and
-    ``target_summary`` make from ``benchmarks/results``, for the float32 grid and the bfloat16
-    one; rerunning a sweep without updating the README fails here."""
+    ``target_summary`` make from ``benchmarks/results``, for the float32 grid, the bfloat16 one and
+    float32 on the bfloat16 grid's machine; rerunning a sweep without updating the README fails here."""
     import json
 
     from tinyserve.lab.perf.sweep import summary_table, target_summary
@@ -213,6 +267,20 @@ def test_readme_sweep_table_is_the_committed_sweep(name: str, cells: int, runs: 
     facts = json.loads((perf.RESULTS_DIR / f"{name}_machine.json").read_text())
     assert facts["cells"] == cells and facts["runs_done"] == runs, facts
     assert facts["machine"] in readme
+
+
+def test_readme_dtype_table_compares_two_sweeps_of_one_machine():
+    """The README's bf16-over-float32 table is ``dtype_table`` of the two committed sweeps, and
+    those ran on machines described alike."""
+    import json
+
+    from tinyserve.lab.perf.sweep import dtype_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    names = ("throughput_sweep_float32_native_bf16", "throughput_sweep_bfloat16")
+    machines = {json.loads((perf.RESULTS_DIR / f"{n}_machine.json").read_text())["machine"] for n in names}
+    assert len(machines) == 1, machines
+    assert dtype_table(*(perf.read_results(n) for n in names)) in readme
 
 
 @pytest.mark.parametrize("name", ["roofline", "levers"])
@@ -316,6 +384,32 @@ def test_levers_time_every_lever_and_leave_the_engine_as_it_was(tiny_model_dir: 
     assert all(r["ms"] > 0 and r["lever_over_base"] > 0 for r in saved)
     assert originals == (batched.BatchedTorchBackend.store_kv, logprobs.token_logprobs, llama.RMSNorm.forward,
                          llama.LlamaMLP.forward, F)
+
+
+@pytest.mark.slow
+def test_compile_layers_lever_computes_what_the_eager_layers_do(tiny_model_dir: Path):
+    """The compiled layers (paged attention left eager) give the eager forward's hidden states on a
+    real decode step, report their compile time, and leave every patched function as it was."""
+    from tinyserve.attention import batched
+    from tinyserve.models import llama
+
+    levers, ps = _load("levers"), _load("profile_step")
+    llm = ps.build_llm(str(tiny_model_dir), 3)
+    ps.fill(llm, 3, 5, max_tokens=12)
+    llm.engine.step()
+    model, step = llm.engine.executor.model, levers.capture_step(llm)
+    inputs = (step["ids"], step["positions"], step["kv_caches"], step["meta"])
+    originals = (llama.LlamaDecoderLayer.forward, batched.BatchedTorchBackend.store_kv,
+                 batched.BatchedTorchBackend.forward)
+    with torch.inference_mode():
+        eager = model(*inputs)
+        with levers.compile_layers(llm):  # its first engine step compiles
+            assert llama.LlamaDecoderLayer.forward is not originals[0]
+            compiled = model(*inputs)
+    assert levers.COMPILE_SECONDS["compile_layers", "float32"] > 0
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    assert originals == (llama.LlamaDecoderLayer.forward, batched.BatchedTorchBackend.store_kv,
+                         batched.BatchedTorchBackend.forward)
 
 
 def _guidellm_request(ttft_ms: float, latency_s: float, output_tokens: int, prompt_tokens: int = 64) -> dict:
