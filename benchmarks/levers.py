@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def readme_table(rows: list[dict]) -> str:
-    """The README's table of ``levers.csv``: per lever, the part it changes (its ms against the
+    """The table of ``levers.csv`` in ``docs/performance.md``: per lever, the part it changes (its ms against the
     package's) and the whole step (its time over the base's), in each dtype and batch."""
     shapes = list(dict.fromkeys((r["dtype"], r["batch"]) for r in rows))
     lines = ["| lever | " + " | ".join(f"{d} b{b}" for d, b in shapes) + " |", "|---" * (len(shapes) + 1) + "|"]

@@ -166,7 +166,7 @@ def measure(args, name: str, peaks: dict[str, float], best: str, bandwidth: floa
 
 
 def readme_table(rows: list[dict]) -> str:
-    """The README's table of ``roofline.csv``: per dtype, its peak, then each batch's step as
+    """The table of ``roofline.csv`` in ``docs/performance.md``: per dtype, its peak, then each batch's step as
     "tinyserve / transformers ms (tinyserve's fraction of that dtype's roofline)"."""
     dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
     first = {d: next(r for r in rows if r["dtype"] == d) for d in dtypes}

@@ -134,7 +134,7 @@ def summarize(report: dict, policy: str, ttft_target_s: float = TTFT_TARGET_S,
 
 
 def markdown(rows: list[dict], ttft_target_s: float = TTFT_TARGET_S, itl_target_s: float = ITL_TARGET_S) -> str:
-    """The table of the results, as the README and chapter 13 show it."""
+    """The table of the results, as ``benchmarks/results/serving.md`` and chapter 13 show it."""
     head = ["policy", "rate (req/s)", "ok", "TTFT p50 / p90 / p99 (s)", "ITL p50 / p90 (s)", "TPOT p50 (s)",
             "E2E p50 / p90 / p99 (s)", "req/s", "out tok/s",
             f"goodput (req/s, TTFT≤{ttft_target_s:g}s & ITL≤{itl_target_s:g}s)"]

@@ -6,7 +6,7 @@
   requested tokens, and the same ones (greedy), and the CSVs the chapter reads are written.
 - Decode attention cut into sub-batches equals attention in one piece.
 - The sweep's reading (targets, the two factors, the explanations) on made-up tables, and the
-  README's sweep table against the committed CSV.
+  sweep tables of ``docs/performance.md`` (the README links to it) against the committed CSVs.
 - The serving benchmark's reading of guidellm's JSON (latencies, throughput, goodput) on a made-up
   report, and the committed ``serving.csv`` with chapter 13's latency figure drawn from it.
 """
@@ -25,6 +25,8 @@ import torch
 from tinyserve.lab import perf
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+# Where the benchmarks' tables are shown: one link from the README, checked here against the CSVs.
+PERFORMANCE_DOC = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
 
 
 def _load(name: str):
@@ -252,43 +254,42 @@ def test_sweep_keeps_the_other_half_only_from_the_same_machine(tmp_path: Path):
 
 @pytest.mark.parametrize(("name", "cells", "runs"), [("throughput_sweep", 12, 3), ("throughput_sweep_bfloat16", 12, 3),
                                                      ("throughput_sweep_float32_native_bf16", 6, 3)])
-def test_readme_sweep_table_is_the_committed_sweep(name: str, cells: int, runs: int):
-    """The README shows the table and the target lines that ``summary_table`` and
+def test_performance_doc_sweep_table_is_the_committed_sweep(name: str, cells: int, runs: int):
+    """``docs/performance.md`` shows the table and the target lines that ``summary_table`` and
     ``target_summary`` make from ``benchmarks/results``, for the float32 grid, the bfloat16 one and
-    float32 on the bfloat16 grid's machine; rerunning a sweep without updating the README fails here."""
+    float32 on the bfloat16 grid's machine; rerunning a sweep without updating the doc fails here."""
     import json
 
     from tinyserve.lab.perf.sweep import summary_table, target_summary
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    doc = PERFORMANCE_DOC.read_text()
     rows = perf.read_results(name)
-    assert summary_table(rows) in readme
-    assert all(line in readme for line in target_summary(rows)), target_summary(rows)
+    assert summary_table(rows) in doc
+    assert all(line in doc for line in target_summary(rows)), target_summary(rows)
     facts = json.loads((perf.RESULTS_DIR / f"{name}_machine.json").read_text())
     assert facts["cells"] == cells and facts["runs_done"] == runs, facts
-    assert facts["machine"] in readme
+    assert facts["machine"] in doc
 
 
-def test_readme_dtype_table_compares_two_sweeps_of_one_machine():
-    """The README's bf16-over-float32 table is ``dtype_table`` of the two committed sweeps, and
-    those ran on machines described alike."""
+def test_performance_doc_dtype_table_compares_two_sweeps_of_one_machine():
+    """``docs/performance.md``'s bf16-over-float32 table is ``dtype_table`` of the two committed
+    sweeps, and those ran on machines described alike."""
     import json
 
     from tinyserve.lab.perf.sweep import dtype_table
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    doc = PERFORMANCE_DOC.read_text()
     names = ("throughput_sweep_float32_native_bf16", "throughput_sweep_bfloat16")
     machines = {json.loads((perf.RESULTS_DIR / f"{n}_machine.json").read_text())["machine"] for n in names}
     assert len(machines) == 1, machines
-    assert dtype_table(*(perf.read_results(n) for n in names)) in readme
+    assert dtype_table(*(perf.read_results(n) for n in names)) in doc
 
 
 @pytest.mark.parametrize("name", ["roofline", "levers"])
-def test_readme_shows_the_committed_roofline_and_levers(name: str):
-    """The README's roofline and levers tables are the ones their scripts make from the
-    committed CSVs: rerunning a benchmark without updating the README fails here."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert _load(name).readme_table(perf.read_results(name)) in readme
+def test_performance_doc_shows_the_committed_roofline_and_levers(name: str):
+    """``docs/performance.md``'s roofline and levers tables are the ones their scripts make from the
+    committed CSVs: rerunning a benchmark without updating the doc fails here."""
+    assert _load(name).readme_table(perf.read_results(name)) in PERFORMANCE_DOC.read_text()
 
 
 def test_roofline_counts_every_matmul_weight_of_the_model(tiny_model_dir: Path):

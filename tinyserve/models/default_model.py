@@ -5,7 +5,9 @@ package is the only "download" there is and nothing is ever fetched from a model
 GGUF file through transformers takes ~20 s (it dequantizes every tensor), so the first load
 converts it once into an ordinary Hugging Face directory (safetensors + config + tokenizer)
 under ``~/.cache/tinyserve`` (or ``$TINYSERVE_CACHE``), and every later load reads that directory.
-The conversion is atomic (built aside, then renamed) and serialized across processes.
+The conversion is atomic (built aside, then renamed) and serialized across processes, and it
+reports its stages on stderr (``ConversionProgress``): a bar on a terminal, one line per stage
+elsewhere, so a first ``make demo`` is not a minute of silence.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import tempfile
+import threading
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -59,10 +64,81 @@ def _is_converted(path: Path) -> bool:
     return marker.get("format") == CONVERSION_FORMAT
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
+# The conversion's stages, in order, each with its share of the time in percent (measured once on
+# a busy 2-core CPU: 184 s in all, of which transformers reads the GGUF file's metadata, for the
+# tokenizer and again for the model, for most; dequantizing the tensors takes about 11 s).
+STAGES = {"loading transformers": 4, "reading the tokenizer": 22, "reading the weights": 72,
+          "writing safetensors": 1, "writing config and tokenizer": 1}
+
+
+class ConversionProgress:
+    """What the conversion is doing, on ``stream`` (stderr): a tqdm bar with the stage's name and
+    the time so far on a terminal; one line per stage anywhere else (a notebook, a pipe, a test's
+    captured output), where a redrawn bar would pile up. Use as a context manager, calling
+    ``stage(name)`` as each of ``STAGES`` begins."""
+
+    def __init__(self, stream=None, stages: dict[str, float] = STAGES, title: str = "") -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.stages = stages
+        self.title = title or "Converting SmolLM2"
+        isatty = getattr(self.stream, "isatty", None)
+        self.tty = bool(isatty and isatty())
+        self.current: str | None = None
+        self.bar = None
+        self._stop = threading.Event()
+
+    def __enter__(self) -> ConversionProgress:
+        self.start = time.perf_counter()
+        if self.tty:
+            from tqdm import tqdm
+
+            # The stage's name is the bar's "desc", after the bar, so a narrow terminal cuts it, not the bar.
+            self.bar = tqdm(total=sum(self.stages.values()), file=self.stream, leave=True,
+                            bar_format=self.title.replace("{", "{{").replace("}", "}}")
+                            + ": {percentage:3.0f}%|{bar:15}| {elapsed} {desc}")
+            # A stage can take half a minute without a step to report: keep the clock moving.
+            threading.Thread(target=self._tick, daemon=True).start()
+        else:
+            print(f"{self.title} for tinyserve, once: {len(self.stages)} stages", file=self.stream, flush=True)
+        return self
+
+    def _tick(self) -> None:
+        while not self._stop.wait(1.0):
+            self.bar.refresh()
+
+    def _finish_current(self) -> None:
+        if self.current is not None and self.bar is not None:
+            self.bar.update(self.stages[self.current])
+
+    def stage(self, name: str) -> None:
+        """Stage ``name`` begins (the one before it is done)."""
+        if name not in self.stages:
+            raise ValueError(f"unknown stage {name!r}; the stages are {list(self.stages)}")
+        self._finish_current()
+        self.current = name
+        if self.bar is not None:
+            self.bar.set_description_str(name)
+        else:
+            i = list(self.stages).index(name) + 1
+            print(f"  [{i}/{len(self.stages)}] {name} ({time.perf_counter() - self.start:.0f} s so far)",
+                  file=self.stream, flush=True)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stop.set()
+        elapsed = time.perf_counter() - self.start
+        if self.bar is not None:
+            if exc_type is None:
+                self._finish_current()
+                self.bar.set_description_str("done")
+            self.bar.close()
+        elif exc_type is None:
+            print(f"  done in {elapsed:.0f} s", file=self.stream, flush=True)
+
+
+def _convert_gguf(gguf: Path, out: Path, progress: ConversionProgress) -> None:
     """Dequantize the GGUF file with transformers and write a plain HF directory to ``out``."""
     with _env(HF_HUB_OFFLINE="1"):  # belt and braces beside local_files_only: never the hub
-        _convert_gguf_offline(gguf, out)
+        _convert_gguf_offline(gguf, out, progress)
 
 
 @contextlib.contextmanager
@@ -79,13 +155,44 @@ def _env(**values: str):
                 os.environ[k] = v
 
 
-def _convert_gguf_offline(gguf: Path, out: Path) -> None:
+@contextlib.contextmanager
+def _quiet_transformers_bars():
+    """transformers' own progress bars off (they would draw under ours, or pile up in a notebook),
+    the GGUF tensors' one included, which ignores transformers' switch (a module-level tqdm)."""
+    import functools
+
+    from tqdm.auto import tqdm
+    from transformers.utils import logging as hf_logging
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        gguf_utils = None
+    own = getattr(gguf_utils, "tqdm", None)
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    if own is not None:
+        gguf_utils.tqdm = functools.partial(tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if own is not None:
+            gguf_utils.tqdm = own
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+
+def _convert_gguf_offline(gguf: Path, out: Path, progress: ConversionProgress) -> None:
+    progress.stage("loading transformers")
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = dict(gguf_file=gguf.name, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
+    with _quiet_transformers_bars():
+        progress.stage("reading the tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
+        progress.stage("reading the weights")
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
     # The weights are plain float32 now; a config still marked as GGUF-quantized would send
     # transformers looking for a GGUF file when it reloads the directory.
     if hasattr(model.config, "quantization_config"):
@@ -94,11 +201,13 @@ def _convert_gguf_offline(gguf: Path, out: Path) -> None:
     # transformers refuses save_pretrained on a GGUF-loaded model, so the weights are written
     # with safetensors (a tied LM head is the embedding: stored once, under the embedding's
     # name) and the config and tokenizer save themselves.
+    progress.stage("writing safetensors")
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
+    progress.stage("writing config and tokenizer")
     model.config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -115,7 +224,11 @@ def _lock(path: Path):
         yield
         return
     with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"Waiting for another process to finish converting {GGUF_NAME}...", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -137,7 +250,8 @@ def ensure_default_model() -> Path:
         # conversion never leaves a directory that looks finished.
         tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL}-", dir=root))
         try:
-            _convert_gguf(gguf, tmp)
+            with ConversionProgress() as progress:
+                _convert_gguf(gguf, tmp, progress)
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as ~/.cache
             if final.exists():  # a stale or broken earlier attempt
                 shutil.rmtree(final)

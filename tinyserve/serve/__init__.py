@@ -24,13 +24,23 @@ The server is a few small pieces:
 
 ``cli`` is the command line; ``app.ServerThread`` runs the app in a background thread for tests
 and notebooks.
+
+The names below are imported on first use, so ``python -m tinyserve.serve --help`` answers without
+loading torch or FastAPI (``cli`` loads them once the flags are parsed).
 """
 
-from tinyserve.serve.app import ServerThread, create_app
-from tinyserve.serve.bodies import APIError
-from tinyserve.serve.cli import main, parser
-from tinyserve.serve.loop import EngineLoop
-from tinyserve.serve.settings import ServerSettings
-from tinyserve.serve.streaming import stream_events
+import importlib
 
-__all__ = ["APIError", "EngineLoop", "ServerSettings", "ServerThread", "create_app", "main", "parser", "stream_events"]
+# name -> the submodule that defines it
+_EXPORTS = {"APIError": "bodies", "EngineLoop": "loop", "ServerSettings": "settings", "ServerThread": "app",
+            "create_app": "app", "main": "cli", "parser": "cli", "stream_events": "streaming"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tinyserve.serve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"tinyserve.serve.{_EXPORTS[name]}"), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value

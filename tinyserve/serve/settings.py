@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """The HTTP server's limits and protections (the README's serving section lists them)."""
+    """The HTTP server's limits and protections (``docs/serving.md`` lists them)."""
 
     # Access control.
     api_key: str | None = None  # when set, every /v1/* request needs "Authorization: Bearer <key>"

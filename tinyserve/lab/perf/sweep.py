@@ -137,7 +137,7 @@ def explain_cell(cell: tuple[str, str, int], rows: list[dict], matmul_share: flo
 
 
 def summary_table(rows: list[dict]) -> str:
-    """The README's table: tinyserve's tokens/s and its ratios, one line per cell."""
+    """The table of ``docs/performance.md``: tinyserve's tokens/s and its ratios, one line per cell."""
     head = ["prompts", "outputs", "running", "tinyserve tok/s"]
     head += [f"{SCHEDULES[o]} ÷ {b}" for b in BASELINES for o in OURS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -160,7 +160,7 @@ TARGET_GROUPS = (("generate", "with mixed output lengths", lambda cell: not cell
 
 def target_summary(rows: list[dict]) -> list[str]:
     """One line per target: how many (cell, schedule) pairs meet it, the range of their ratios and
-    every pair that misses it (the README's and chapter 11's list under the table)."""
+    every pair that misses it (the list under the table in ``docs/performance.md`` and chapter 11)."""
     cells, missed, lines = by_cell(rows), shortfalls(rows), []
     for base, which, chosen in TARGET_GROUPS:
         pairs = [(c, s) for c in cells if chosen(c) for s in OURS]
@@ -191,7 +191,7 @@ def dtype_speedups(slow: list[dict], fast: list[dict]) -> dict[tuple[str, str, i
 
 
 def dtype_table(slow: list[dict], fast: list[dict], names: tuple[str, str] = ("float32", "bfloat16")) -> str:
-    """The README's and chapter 11's table of ``dtype_speedups``: tinyserve's tokens/s in both
+    """The table of ``dtype_speedups`` in ``docs/performance.md`` and chapter 11: tinyserve's tokens/s in both
     dtypes, then each system's speed-up from the change."""
     head = ["prompts", "outputs", "running", f"tinyserve {names[0]} tok/s", f"tinyserve {names[1]} tok/s"]
     head += [f"{s} ×" for s in OURS + BASELINES]
