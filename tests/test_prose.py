@@ -107,7 +107,8 @@ OTHER_LIBRARIES = {
     "sdpa_attention_forward": "transformers.integrations.sdpa_attention",
 }
 # Names of vLLM releases after v0.4.0 that the prose names as such ("later releases renamed ...").
-LATER_VLLM = {"can_append_slots", "append_slots"}
+LATER_VLLM = {"can_append_slots", "append_slots",
+              "_schedule_chunked_prefill", "_schedule_prefills"}  # v0.4.1's scheduler (chapter 12)
 
 
 # The chapters about vLLM V1, whose prose may name V1's code (``tests/vllm_v1_index.json``).

@@ -192,6 +192,48 @@ def test_min_p_matches_a_direct_implementation_on_random_logits():
     assert torch.allclose(both.double(), torch.tensor(alone, dtype=torch.float64), atol=1e-6)
 
 
+def v04_apply_top_k_top_p():
+    """v0.4.0's ``_apply_top_k_top_p``, compiled from the installed vllm's source (importing
+    ``vllm`` would load its CUDA engine): the reference for chapter 9's "Compared with vLLM v0.4"."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    source = (Path(spec.submodule_search_locations[0]) / "model_executor" / "layers" / "sampler.py").read_text()
+    tree = ast.parse(source)
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_apply_top_k_top_p"]
+    namespace = {"torch": torch}
+    exec(compile(ast.Module([fn], type_ignores=[]), "vllm/model_executor/layers/sampler.py", "exec"), namespace)
+    return namespace["_apply_top_k_top_p"]
+
+
+def kept(masked: torch.Tensor) -> list[list[int]]:
+    return [sorted(torch.nonzero(torch.isfinite(row)).flatten().tolist()) for row in masked]
+
+
+def test_top_k_with_top_p_differs_from_v04_as_chapter_9_says():
+    v04 = v04_apply_top_k_top_p()
+    # .40/.25/.20/.10/.05, k = 3, p = 0.7: v0.4 renormalizes the top 3 first (.47, .29, .24), so
+    # .40 and .25 already pass 0.7; tinyserve measures the full distribution, where they make .65.
+    logits = torch.tensor([[0.40, 0.25, 0.20, 0.10, 0.05]]).log()
+    k, p = torch.tensor([3]), torch.tensor([0.7])
+    assert kept(v04(logits.clone(), p, k)) == [[0, 1]]
+    assert kept(apply_top_k_top_p(logits.clone(), k, p)) == [[0, 1, 2]]
+    # A tie with the k-th logit: v0.4 keeps every token equal to it, tinyserve exactly k.
+    tied = torch.tensor([[3.0, 2.0, 1.0, 1.0, 1.0, 0.0]])
+    assert len(kept(v04(tied.clone(), torch.tensor([1.0]), torch.tensor([3])))[0]) == 5
+    assert len(kept(apply_top_k_top_p(tied.clone(), torch.tensor([3]), torch.tensor([1.0])))[0]) == 3
+    # Without ties, and with only one of the two, they keep the same tokens.
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(2)) * 2
+    gen = torch.Generator().manual_seed(3)
+    only_k = torch.randint(1, 50, (64,), generator=gen)
+    only_p = torch.rand(64, generator=gen).clamp(0.05, 0.95)
+    everything, nucleus = torch.full((64,), 50), torch.ones(64)
+    assert kept(v04(logits.clone(), nucleus, only_k)) == kept(apply_top_k_top_p(logits.clone(), only_k, nucleus))
+    assert kept(v04(logits.clone(), only_p, everything)) == kept(apply_top_k_top_p(logits.clone(), everything, only_p))
+
+
 def test_min_tokens_bans_eos_and_stop_token_ids_until_reached():
     logits = torch.zeros(3, 10)
     logits[:, 7] = 50.0  # EOS would win
