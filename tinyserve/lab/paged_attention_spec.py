@@ -8,14 +8,9 @@ reference (``attention/reference.py``) by calling it, never by listing it.
   one-hot values (output channel ``p`` is the weight of position ``p``).
 - ``kv_head_of``: which KV head each query head reads, found the same way with values that are
   their KV head's number.
-- ``solution_listing``: one top-level definition of a solutions file, as a code block (the Solutions
-  section shows the reader's answer beside the package's listing).
 """
 
 from __future__ import annotations
-
-import ast
-from pathlib import Path
 
 import torch
 
@@ -63,21 +58,3 @@ def kv_head_of(num_heads: int, num_kv_heads: int) -> list[int]:
     v = torch.arange(num_kv_heads, dtype=torch.float32)[None, :, None]  # KV head j's value is j
     return [int(round(x)) for x in causal_attention(q, k, v, scale=1.0)[0, :, 0].tolist()]
 
-
-def solution_source(path: str | Path, name: str) -> str:
-    """The source of the top-level definition ``name`` in the file ``path``."""
-    text = Path(path).read_text(encoding="utf-8")
-    for node in ast.parse(text).body:
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name == name:
-            return ast.get_source_segment(text, node)
-    raise ValueError(f"{path} defines no {name}")
-
-
-def solution_listing(path: str | Path, name: str):
-    """``solution_source`` as a highlighted code block in a notebook (plain text elsewhere)."""
-    source = solution_source(path, name)
-    try:
-        from IPython.display import Code
-    except ImportError:
-        return source
-    return Code(source, language="python")

@@ -17,6 +17,10 @@ unclosed or empty raises ValueError, and ``tests/test_listings.py`` checks every
 
 A listing carries a machine-readable id (module, qualified name, chapter) in its output's
 metadata, so a test can render every committed listing again and catch a stale book.
+
+``show_solution(path, name)`` shows one definition of a chapter's solutions file
+(``chapters/solutions/chNN.py``, not part of the package) the same way, highlighted with the
+file's line numbers, with its own id (path and name) in the output's metadata.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ import linecache
 import os
 import re
 
+from tinyserve.lab.solution_source import definition_span
 from tinyserve.viz.markers import Block, parse_markers
 
 # The key of a listing's id in its output metadata, and the HTML comment that repeats it.
 METADATA_KEY = "tinyserve.listing"
+# The same for a solution's listing (``show_solution``).
+SOLUTION_KEY = "tinyserve.solution"
 FOLD_MARK = "⋯"
 
 _NOTEBOOK_NAME = re.compile(r"(?:^|/)(\d\d)_[^/]*\.ipynb$")
@@ -96,6 +103,43 @@ def resolve(module: str, qualname: str) -> object:
 
 def _indent_of(line: str) -> int:
     return len(line) - len(line.lstrip(" \t"))
+
+
+def _listing_html(rows: list[tuple[int, str, bool]], code: str, last_line: int, comment: str, title: str,
+                  where: str) -> str:
+    """Rows of source as the book shows listings: highlighted, with the file's line numbers, under
+    a bold title; fold rows in grey italics."""
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import PythonLexer
+
+    lit = highlight(code, PythonLexer(stripnl=False, ensurenl=True),
+                    HtmlFormatter(noclasses=True, nowrap=True)).split("\n")
+    width = len(str(last_line))
+    out = []
+    for (lineno, text, fold), code_html in zip(rows, lit):
+        if fold:
+            code_html = (f"<span style='color:#777;font-style:italic;background:#eef1f5'>"
+                         f"{html.escape(text)}</span>")
+        out.append(f"<span style='color:#aaa;user-select:none'>{lineno:>{width}} </span>{code_html}")
+    return (f"<div style='font-size:85%'>{comment}"
+            f"<b>{html.escape(title)}</b> <span style='color:#888'>{html.escape(where)}</span>"
+            f"<pre style='line-height:125%;margin:0.3em 0'>{chr(10).join(out)}</pre></div>")
+
+
+def _display_once(view) -> None:
+    # show() displays at once, so that several listings in one cell all appear. When the
+    # view is also the cell's last expression, IPython would display it a second time.
+    from IPython import get_ipython
+    from IPython.display import display
+
+    ip = get_ipython()
+    count = getattr(ip, "execution_count", None)
+    if count is not None and getattr(view, "_shown_at", None) == count:
+        return
+    view._shown_at = count
+    data, metadata = view._repr_mimebundle_()
+    display(data, raw=True, metadata=metadata)
 
 
 class SourceView:
@@ -193,42 +237,16 @@ class SourceView:
         return f"{self.header()}\n{self.code}"
 
     def _repr_html_(self) -> str:
-        from pygments import highlight
-        from pygments.formatters import HtmlFormatter
-        from pygments.lexers import PythonLexer
-
-        lit = highlight(self.code, PythonLexer(stripnl=False, ensurenl=True),
-                        HtmlFormatter(noclasses=True, nowrap=True)).split("\n")
-        width = len(str(self.last_line))
-        out = []
-        for (lineno, text, fold), code_html in zip(self.rows, lit):
-            if fold:
-                code_html = (f"<span style='color:#777;font-style:italic;background:#eef1f5'>"
-                             f"{html.escape(text)}</span>")
-            out.append(f"<span style='color:#aaa;user-select:none'>{lineno:>{width}} </span>{code_html}")
         tag = json.dumps(self.listing_id).replace("--", "- -")
-        return (f"<div style='font-size:85%'><!-- {METADATA_KEY} {tag} -->"
-                f"<b>{html.escape(self.name)}</b> <span style='color:#888'>{html.escape(self._where())}"
-                f" · {self._stage()}</span>"
-                f"<pre style='line-height:125%;margin:0.3em 0'>{chr(10).join(out)}</pre></div>")
+        return _listing_html(self.rows, self.code, self.last_line, f"<!-- {METADATA_KEY} {tag} -->",
+                             self.name, f"{self._where()} · {self._stage()}")
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> tuple[dict, dict]:
         return ({"text/plain": repr(self), "text/html": self._repr_html_()},
                 {METADATA_KEY: self.listing_id})
 
     def _ipython_display_(self) -> None:
-        # show() displays at once, so that several listings in one cell all appear. When the
-        # view is also the cell's last expression, IPython would display it a second time.
-        from IPython import get_ipython
-        from IPython.display import display
-
-        ip = get_ipython()
-        count = getattr(ip, "execution_count", None)
-        if count is not None and getattr(self, "_shown_at", None) == count:
-            return
-        self._shown_at = count
-        data, metadata = self._repr_mimebundle_()
-        display(data, raw=True, metadata=metadata)
+        _display_once(self)
 
 
 def show(obj: object, chapter: int | None = _UNSET) -> SourceView:  # type: ignore[assignment]
@@ -237,6 +255,53 @@ def show(obj: object, chapter: int | None = _UNSET) -> SourceView:  # type: igno
     notebook's (``set_chapter``) is used. In a notebook it is displayed at once, so every call
     of a cell appears; the returned view has ``code`` and a plain-text ``repr``."""
     view = SourceView(obj, current_chapter() if chapter is _UNSET else chapter)
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return view
+    if get_ipython() is not None:
+        view._ipython_display_()
+    return view
+
+
+class SolutionView:
+    """One top-level definition of a chapter's solutions file, rendered as a listing is:
+    highlighted with the file's line numbers in Jupyter, plain text elsewhere."""
+
+    def __init__(self, path: str, name: str) -> None:
+        self.path, self.name = str(path), name
+        self.first_line, self.last_line, source = definition_span(path, name)
+        self.rows = [(n, text, False) for n, text in enumerate(source.splitlines(), self.first_line)]
+        self.code = "".join(text + "\n" for _, text, _ in self.rows)
+
+    @property
+    def solution_id(self) -> dict:
+        """What this listing shows, enough to render it again: ``SolutionView(**solution_id)``."""
+        return {"path": self.path, "name": self.name}
+
+    def header(self) -> str:
+        return f"# {self.name}, the book's solution ({self.path}, lines {self.first_line}-{self.last_line})"
+
+    def __repr__(self) -> str:
+        return f"{self.header()}\n{self.code}"
+
+    def _repr_html_(self) -> str:
+        tag = json.dumps(self.solution_id).replace("--", "- -")
+        return _listing_html(self.rows, self.code, self.last_line, f"<!-- {SOLUTION_KEY} {tag} -->", self.name,
+                             f"{self.path}:{self.first_line}-{self.last_line} · the book's solution")
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> tuple[dict, dict]:
+        return ({"text/plain": repr(self), "text/html": self._repr_html_()}, {SOLUTION_KEY: self.solution_id})
+
+    def _ipython_display_(self) -> None:
+        _display_once(self)
+
+
+def show_solution(path: str, name: str) -> SolutionView:
+    """Show the top-level class or function ``name`` of the solutions file ``path`` (relative to
+    the notebook: ``"solutions/ch02.py"``) as ``show`` shows the package's code. In a notebook it
+    is displayed at once; the returned view has ``code`` and a plain-text ``repr``."""
+    view = SolutionView(path, name)
     try:
         from IPython import get_ipython
     except ImportError:
