@@ -447,4 +447,4 @@ def test_serving_csv_parses_and_its_figure_draws():
         assert 0 <= r["goodput_req_per_s"] <= r["req_per_s"] + 1e-9
     assert len({(r["policy"], r["rate"]) for r in rows}) == len(rows)  # one row per policy x rate
     fig = serving_latency_figure()
-    assert len(fig.axes) == 2 and len(fig.axes[0].lines) >= 2 * len(policies)
+    assert len(fig.axes) == 3 and all(len(ax.lines) >= len(policies) for ax in fig.axes)  # TTFT p50, p90, ITL

@@ -111,7 +111,9 @@ def test_draw_pools_fades_stale_bytes(seed_frames):
     assert cells["slot:CPU:0:1"].get_alpha() == 1.0  # s2's token 1, swapped out, live
     texts = {a.get_gid(): a.get_text() for a in gids(ax, "pos:")}
     assert texts["pos:GPU:2:0"] == "5" and texts["pos:CPU:0:2"] == "2"
-    assert "swap_out GPU 2→CPU 0" in ax.get_title(loc="left")
+    assert "swap_out GPU block 2→CPU block 0" in ax.get_title(loc="left")
+    labels = [t.get_text() for t in ax.texts]
+    assert "block 2 (s1)" in labels and not any(t.startswith("GPU 2") for t in labels)
 
 
 def test_swap_figure_is_registered_and_draws_four_rounds(seed_frames):

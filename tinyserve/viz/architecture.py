@@ -12,7 +12,7 @@ from tinyserve.viz.style import pyplot
 # Which chapters build which part (the book's map, drawn as badges on the architecture).
 CHAPTER_BADGES = {
     "LLMEngine": ["09", "11", "12"],
-    "queues": ["04", "05"],
+    "queues": ["04", "05", "13"],
     "BlockSpaceManager": ["02", "03"],
     "model": ["07"],
     "attention": ["08"],
@@ -42,7 +42,7 @@ def _arrow(ax, start, end, label, gid, label_xy, color="#333333", ha="center", r
                             connectionstyle=f"arc3,rad={rad}")
     arrow.set_gid(gid)
     ax.add_patch(arrow)
-    ax.text(*label_xy, label, ha=ha, va="center", fontsize=7.5, color=color, linespacing=1.25)
+    ax.text(*label_xy, label, ha=ha, va="center", fontsize=9, color=color, linespacing=1.25)
 
 
 def _badge(ax, x, y, numbers: list[str]) -> None:
@@ -51,7 +51,7 @@ def _badge(ax, x, y, numbers: list[str]) -> None:
                                zorder=5)
         circle.set_gid(f"badge:{n}")
         ax.add_patch(circle)
-        ax.text(x + i * 0.48, y, n, ha="center", va="center", fontsize=6.5, color="white", fontweight="bold",
+        ax.text(x + i * 0.48, y, n, ha="center", va="center", fontsize=8.5, color="white", fontweight="bold",
                 zorder=6)
 
 
@@ -74,28 +74,28 @@ def draw_architecture(ax=None, chapters: bool = False, title: str | None = None)
     # LLMEngine
     _box(ax, 0.3, 7.2, 16.3, 2.5, "LLMEngine", "box:LLMEngine", face="#f4f4f4", size=11)
     ax.text(0.45, 9.05, "creates the Scheduler and the Worker(s); step() = schedule → execute → sample → update",
-            fontsize=8, va="center", color="#333")
-    _box(ax, 2.2, 7.45, 3.4, 1.15, "requests", "box:requests", face="#ffffff", size=8.5)
-    ax.text(2.34, 7.75, "SequenceGroup per prompt\nadd_request · abort_request", fontsize=7, va="center")
-    _box(ax, 6.6, 7.45, 3.2, 1.15, "Sampler", "box:Sampler", face="#e8f3e6", size=8.5)
-    ax.text(6.74, 7.75, "greedy · temperature\ntop-k · top-p · seeds", fontsize=7, va="center")
-    _box(ax, 11.0, 7.45, 3.6, 1.15, "outputs", "box:outputs", face="#ffffff", size=8.5)
-    ax.text(11.14, 7.75, "detokenize, stop checks\nRequestOutput · history", fontsize=7, va="center")
+            fontsize=9.5, va="center", color="#333")
+    _box(ax, 2.2, 7.45, 3.4, 1.15, "requests", "box:requests", face="#ffffff", size=9.5)
+    ax.text(2.34, 7.75, "SequenceGroup per prompt\nadd_request · abort_request", fontsize=8.5, va="center")
+    _box(ax, 6.6, 7.45, 3.2, 1.15, "Sampler", "box:Sampler", face="#e8f3e6", size=9.5)
+    ax.text(6.74, 7.75, "greedy · temperature\ntop-k · top-p · seeds", fontsize=8.5, va="center")
+    _box(ax, 11.0, 7.45, 3.6, 1.15, "outputs", "box:outputs", face="#ffffff", size=9.5)
+    ax.text(11.14, 7.75, "detokenize, stop checks\nRequestOutput · history", fontsize=8.5, va="center")
     _arrow(ax, (-0.9, 8.0), (2.2, 8.0), "prompts", "arrow:prompts", (0.35, 8.25))
     _arrow(ax, (14.6, 8.0), (17.9, 8.0), "text", "arrow:text", (17.1, 8.25))
 
     # Scheduler
     _box(ax, 0.3, 0.3, 7.0, 5.6, "Scheduler", "box:Scheduler", face="#eef3fa", size=11)
-    ax.text(0.45, 5.2, "which requests run this round (vllm: all prefill or all decode)", fontsize=7.5)
+    ax.text(0.45, 5.1, "which requests run this round (vllm: all prefill or all decode)", fontsize=9)
     for i, (name, fill) in enumerate((("waiting", {0, 1}), ("running", {0, 1, 2}), ("swapped", {0}))):
         x = 0.6 + i * 2.2
-        _box(ax, x, 3.75, 2.0, 1.1, name, f"box:{name}", face="#ffffff", size=8, pad=0.1)
+        _box(ax, x, 3.75, 2.0, 1.1, name, f"box:{name}", face="#ffffff", size=9.5, pad=0.1)
         _cells(ax, x + 0.15, 3.9, 4, fill, "#80b1d3", f"queue:{name}")
     _box(ax, 0.6, 0.6, 6.4, 2.8, "BlockSpaceManager", "box:BlockSpaceManager", face="#ffffff", size=9)
-    ax.text(0.8, 2.55, "block tables: s0→[0,3]  s1→[1,2]  s2→cpu[0]", fontsize=7.5, family="monospace")
-    ax.text(0.8, 2.0, "GPU allocator: free list, ref counts", fontsize=7.5)
-    ax.text(0.8, 1.55, "CPU allocator: swap space", fontsize=7.5)
-    ax.text(0.8, 1.0, "can_allocate · append_slot (copy-on-write)\nfork · swap_out · swap_in · free", fontsize=7,
+    ax.text(0.8, 2.55, "block tables: s0→[0,3]  s1→[1,2]  s2→cpu[0]", fontsize=9, family="monospace")
+    ax.text(0.8, 2.0, "GPU allocator: free list, ref counts", fontsize=9)
+    ax.text(0.8, 1.55, "CPU allocator: swap space", fontsize=9)
+    ax.text(0.8, 1.0, "can_allocate · append_slot (copy-on-write)\nfork · swap_out · swap_in · free", fontsize=8.5,
             color="#444", va="center")
 
     # Worker, with shadows for the tensor-parallel copies
@@ -103,32 +103,32 @@ def draw_architecture(ax=None, chapters: bool = False, title: str | None = None)
         _box(ax, wx + 0.14 * k, 0.3 - 0.14 * k, 7.0, 5.6, "", f"box:Worker-shadow{k}", face="#f7efe6",
              edge="#bbbbbb", lw=0.8)
     _box(ax, wx, 0.3, 7.0, 5.6, "Worker", "box:Worker", face="#fbf1e4", size=11)
-    ax.text(wx + 0.15, 5.2, "runs the model; one per GPU (× tensor_parallel_size)", fontsize=7.5)
-    _box(ax, wx + 0.3, 3.75, 6.4, 1.1, "model runner + Llama model", "box:model", face="#ffffff", size=8, pad=0.1)
+    ax.text(wx + 0.15, 5.1, "runs the model; one per GPU (× tensor_parallel_size)", fontsize=9)
+    _box(ax, wx + 0.3, 3.75, 6.4, 1.1, "model runner + Llama model", "box:model", face="#ffffff", size=9.5, pad=0.1)
     ax.text(wx + 0.4, 4.05, "prepare_inputs (packed, no padding) → 30 layers,\npaged attention reads K/V by "
-            "block table → logits", fontsize=6.8, va="center")
+            "block table → logits", fontsize=8.5, va="center")
     _box(ax, wx + 0.3, 0.6, 6.4, 2.8, "CacheEngine", "box:CacheEngine", face="#ffffff", size=9)
-    ax.text(wx + 0.5, 2.55, "GPU KV blocks [num_blocks, block_size, kv_heads, head_dim]", fontsize=6.8)
+    ax.text(wx + 0.45, 2.55, "GPU [num_blocks, block_size, kv_heads, head_dim]", fontsize=8.5)
     _cells(ax, wx + 0.5, 2.0, 12, {0, 1, 2, 3}, "#fdb462", "cache:gpu")
-    ax.text(wx + 0.5, 1.55, "CPU swap space", fontsize=6.8)
+    ax.text(wx + 0.45, 1.55, "CPU swap space", fontsize=8.5)
     _cells(ax, wx + 0.5, 1.0, 6, {0}, "#bebada", "cache:cpu")
-    ax.text(wx + 3.0, 1.15, "swap_out · swap_in · copy", fontsize=7, color="#444")
+    ax.text(wx + 3.0, 1.15, "swap_out · swap_in · copy", fontsize=8.5, color="#444")
 
     # One step's traffic
     _arrow(ax, (3.9, 7.2), (3.9, 5.95), "schedule()", "arrow:schedule", (3.1, 6.55))
-    _arrow(ax, (7.35, 3.0), (wx - 0.05, 3.0), "groups' metadata\n+ swap in / out\nand copy orders",
+    _arrow(ax, (7.35, 3.0), (wx - 0.05, 3.0), "metadata\n+ swap in/out\n+ copy orders",
            "arrow:orders", (8.45, 3.85))
     _arrow(ax, (wx + 3.2, 5.95), (8.7, 7.4), "logits of the\nsampled rows", "arrow:logits", (11.6, 6.55), rad=0.15)
     _arrow(ax, (6.9, 7.4), (5.4, 5.95), "new tokens,\nfinished → free", "arrow:tokens", (7.2, 6.55))
 
     if chapters:
         _badge(ax, 2.75, 9.45, CHAPTER_BADGES["LLMEngine"])
-        _badge(ax, 2.7, 5.55, CHAPTER_BADGES["queues"])
+        _badge(ax, 2.7, 5.6, CHAPTER_BADGES["queues"])
         _badge(ax, 4.25, 3.05, CHAPTER_BADGES["BlockSpaceManager"])
-        _badge(ax, wx + 4.2, 4.6, CHAPTER_BADGES["model"])
-        _badge(ax, wx + 5.75, 4.6, CHAPTER_BADGES["attention"])
+        _badge(ax, wx + 5.5, 4.6, CHAPTER_BADGES["model"])
+        _badge(ax, wx + 6.05, 4.6, CHAPTER_BADGES["attention"])
         _badge(ax, wx + 2.55, 3.05, CHAPTER_BADGES["CacheEngine"])
-        _badge(ax, wx + 1.95, 5.55, CHAPTER_BADGES["Worker"])
+        _badge(ax, wx + 1.95, 5.6, CHAPTER_BADGES["Worker"])
     ax.set_xlim(-1.0, 18.0)
     ax.set_ylim(-0.2, 9.9)
     ax.set_aspect("equal")

@@ -12,7 +12,7 @@ import math
 from tinyserve.lab.bandwidth import FLOOR_SHAPES, H200_BANDWIDTH, floor_table, load_kernel_results
 from tinyserve.lab.kernel_plan import EXAMPLE, H200_SMS, DecodePlan, example_batch, example_walk, plan_decode
 from tinyserve.lab.softmax_walk import ProgramWalk
-from tinyserve.viz.style import PALETTE, pick, pyplot
+from tinyserve.viz.style import MIN_FONT, PALETTE, pick, pyplot, text_size
 
 
 def draw_program_grid(plan: DecodePlan, block_tables: list[list[int]], title: str | None = None):
@@ -26,6 +26,7 @@ def draw_program_grid(plan: DecodePlan, block_tables: list[list[int]], title: st
     width = max(9.0, 0.26 * widest + 2.0, 2.2 * cols)
     fig, (ax_g, ax_b) = plt.subplots(2, 1, figsize=(width, 1.2 + 1.9 * num_seqs),
                                      gridspec_kw={"height_ratios": [1.1, 1.0]})
+    size = text_size(fig)  # a wide grid is shown scaled down: its text grows with the width
     for ax in (ax_g, ax_b):
         ax.set_axis_off()
     box_w = min(2.6, (width - 0.5) / cols)
@@ -39,26 +40,27 @@ def draw_program_grid(plan: DecodePlan, block_tables: list[list[int]], title: st
         tiles = f"{prog.num_tiles} tile" + ("s" if prog.num_tiles != 1 else "")
         body = "empty: weight 0" if prog.empty else f"tokens {prog.start}-{prog.end - 1}, {tiles}"
         label = f"program ({prog.seq}, {prog.kv_head}, {prog.part})\n{heads}\n{body}"
-        ax_g.text(x + (box_w - 0.12) / 2, y + 0.54, label, ha="center", va="center", fontsize=7.5,
+        ax_g.text(x + (box_w - 0.12) / 2, y + 0.54, label, ha="center", va="center", fontsize=size,
                   gid=f"program_text:{prog.seq},{prog.kv_head},{prog.part}")
     for h in range(plan.num_kv_heads):
         ax_g.text((h * plan.num_parts + plan.num_parts / 2) * box_w - 0.06, -0.2, f"KV head {h}", ha="center",
-                  fontsize=9, weight="bold")
+                  fontsize=size, weight="bold")
     ax_g.set_xlim(-0.05, box_w * cols)
     ax_g.set_ylim(1.2 * num_seqs, -0.5)
     ax_g.set_title(f"the grid: {plan.grid} = (sequences, KV heads, partitions) programs; each holds a "
-                   f"{plan.group_pad}-row query tile with {plan.group} real rows", fontsize=10)
+                   f"{plan.group_pad}-row query tile with {plan.group} real rows", fontsize=size)
 
     for s, (ctx, table) in enumerate(zip(plan.context_lens, block_tables)):
         y = s * 1.1
-        ax_b.text(-0.3, y + 0.35, f"seq {s}\n{ctx} tok", ha="right", va="center", fontsize=8)
+        ax_b.text(-0.3, y + 0.35, f"seq {s}\n{ctx} tok", ha="right", va="center", fontsize=size)
         for b in range(math.ceil(ctx / plan.block_size)):
             part = (b * plan.block_size) // plan.partition_size  # the partition of its first token
             filled = min(plan.block_size, ctx - b * plan.block_size) / plan.block_size
             ax_b.add_patch(plt.Rectangle((b, y), 0.95, 0.7, facecolor="white", edgecolor="#666", lw=0.5))
             ax_b.add_patch(plt.Rectangle((b, y), 0.95 * filled, 0.7, alpha=0.55, lw=0,
                                          facecolor=pick(PALETTE, part), gid=f"block:{s},{b}"))
-            ax_b.text(b + 0.47, y + 0.37, str(table[b]), ha="center", va="center", fontsize=6)
+            ax_b.text(b + 0.47, y + 0.37, str(table[b]), ha="center", va="center", fontsize=size,
+                      rotation=90 if table[b] >= 100 else 0)
         for t in range(plan.tile_tokens, ctx, plan.tile_tokens):  # tile boundaries of the loop
             xb = t / plan.block_size - 0.025
             edge = t % plan.partition_size == 0
@@ -68,20 +70,25 @@ def draw_program_grid(plan: DecodePlan, block_tables: list[list[int]], title: st
     ax_b.set_ylim(1.1 * num_seqs, -0.3)
     ax_b.set_title(f"each sequence's logical blocks of {plan.block_size} tokens (number: physical block); dashed: "
                    f"tiles of {plan.tile_tokens} tokens" + ("; red: partition boundary" if plan.split else ""),
-                   fontsize=10)
+                   fontsize=size)
     if title:
-        fig.suptitle(title, fontsize=11)
+        fig.suptitle(title, fontsize=size + 1)
     fig.tight_layout()
     return fig
 
 
 def draw_program_walk(walk: ProgramWalk, block_tables: list[list[int]], num_blocks: int, seq: int,
                       row: int = 0, per_row: int = 16):
-    """Left: the physical block pool; the blocks one program reads are numbered by the tile that
-    reads them, other sequences' blocks are grey. Right: that program's running max and running
-    sum (for query row ``row``) after each tile; the sum drops when a new max rescales it."""
+    """Top: the physical block pool; the blocks one program reads are numbered by the tile that
+    reads them, other sequences' blocks are grey. Below, two panels: that program's running max
+    and running sum (for query row ``row``) after each tile; the sum drops when a new max
+    rescales it."""
     plt = pyplot()
-    fig, (ax_p, ax_s) = plt.subplots(1, 2, figsize=(13, 3.6), gridspec_kw={"width_ratios": [1.1, 1]})
+    pool_rows = math.ceil(num_blocks / per_row)
+    fig = plt.figure(figsize=(10, 0.45 * pool_rows + 4.2), layout="constrained")
+    grid = fig.add_gridspec(2, 2, height_ratios=[0.45 * pool_rows + 0.4, 3.0])
+    ax_p = fig.add_subplot(grid[0, :])
+    ax_s, ax_l = fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
     tile_of = {}
     for i, step in enumerate(walk.steps):
         for b in step.blocks:
@@ -92,29 +99,29 @@ def draw_program_walk(walk: ProgramWalk, block_tables: list[list[int]], num_bloc
     for b in range(num_blocks):
         x, y = b % per_row, b // per_row
         if b in tile_of:
-            color, label = cmap(tile_of[b] / n), f"{b}\nt{tile_of[b]}"
+            color, label = cmap(tile_of[b] / n), f"{b} t{tile_of[b]}"
         else:
             color, label = ("#d0d0d0" if b in others else "white"), str(b)
         ax_p.add_patch(plt.Rectangle((x, y), 0.94, 0.9, facecolor=color, edgecolor="#777", lw=0.5, gid=f"pool:{b}"))
-        ax_p.text(x + 0.47, y + 0.46, label, ha="center", va="center", fontsize=6,
+        ax_p.text(x + 0.47, y + 0.46, label, ha="center", va="center", fontsize=9,
                   color="white" if b in tile_of and tile_of[b] / n < 0.6 else "black")
     ax_p.set_xlim(0, per_row)
-    ax_p.set_ylim(math.ceil(num_blocks / per_row), 0)
+    ax_p.set_ylim(pool_rows, 0)
     ax_p.set_axis_off()
     ax_p.set_title(f"the block pool: blocks read by one program of seq {seq} (tN = tile N); grey: other sequences",
-                   fontsize=9)
+                   fontsize=MIN_FONT)
 
+    # Two panels rather than two y-axes on one: m and l have different units and scales.
     x = range(len(walk.steps))
     ax_s.plot(x, [float(s.m[row]) for s in walk.steps], "o-", label="running max m")
     ax_s.set_xlabel("after tile")
-    ax_s.set_ylabel("m (score units)")
-    ax2 = ax_s.twinx()
-    ax2.plot(x, [float(s.l[row]) for s in walk.steps], "s--", color="#f58518", label="running sum l")
-    ax2.set_ylabel("l = sum exp(score - m)")
-    lines = ax_s.get_lines() + ax2.get_lines()
-    ax_s.legend(lines, [ln.get_label() for ln in lines], loc="lower right", fontsize=8)
-    ax_s.set_title(f"online softmax state of query row {row}", fontsize=10)
-    fig.tight_layout()
+    ax_s.set_title(f"running max m of query row {row}\n(score units)", fontsize=MIN_FONT)
+    ax_l.plot(x, [float(s.l[row]) for s in walk.steps], "s--", color="#f58518", label="running sum l")
+    ax_l.set_xlabel("after tile")
+    ax_l.set_title("running sum l = Σ exp(score − m)\n(drops when a new max rescales it)", fontsize=MIN_FONT)
+    for ax in (ax_s, ax_l):
+        ax.set_xticks(list(x))
+        ax.grid(alpha=0.3)
     return fig
 
 

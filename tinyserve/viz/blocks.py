@@ -62,13 +62,13 @@ def _draw_pool_at(ax, device: str, ref_counts: list[int], owners: dict[tuple[str
         ax.text(x + CELL_W / 2, y + CELL_H * 0.62, str(n), ha="center", va="center", fontsize=8,
                 fontweight="bold" if rc else "normal", color="black" if rc else "#999999", zorder=4)
         if rc:
-            ax.text(x + CELL_W / 2, y + CELL_H * 0.22, f"ref {rc}", ha="center", va="center", fontsize=6.5,
+            ax.text(x + CELL_W / 2, y + CELL_H * 0.22, f"ref {rc}", ha="center", va="center", fontsize=7.5,
                     gid=f"ref:{device}:{n}", zorder=4)
     ax.text(-0.25, top - CELL_H / 2, title, ha="right", va="center", fontsize=9, fontweight="bold")
     bottom = top - (_pool_rows(len(ref_counts)) - 1) * ROW_GAP - CELL_H
     shown = " ".join(map(str, free_list[:24])) + (" …" if len(free_list) > 24 else "")
     ax.text(0, bottom - 0.3, f"{free_label.format(n=len(free_list))}: {shown or '(empty)'}",
-            ha="left", va="top", fontsize=7.5, color="#333333", gid=f"free:{device}")
+            ha="left", va="top", fontsize=8, color="#333333", gid=f"free:{device}")
     return corners
 
 
@@ -129,7 +129,7 @@ def draw_snapshot(snap: BlockSnapshot, ax=None, colors: dict[str, str] | None = 
             ax.add_patch(Rectangle((x, y), CELL_W, CELL_H, facecolor="none", gid=f"logical:{s.label}:{j}",
                                    edgecolor="#444444", lw=1.0, linestyle="-" if mapped else "--", zorder=3))
             ax.text(x + CELL_W / 2, y + CELL_H / 2, f"L{j}\n{n}/{bs}" if mapped else f"L{j}\n{n}/{bs}\nno block",
-                    ha="center", va="center", fontsize=6.5, zorder=4)
+                    ha="center", va="center", fontsize=7.5, zorder=4)
             if mapped:
                 logical_bottom[(s.label, j)] = (x + CELL_W / 2, y)
     top = -lines * (ROW_GAP + LABEL_H) - 0.9
@@ -249,4 +249,4 @@ def block_tables_figure():
 
 
 def block_table_history_figure():
-    return draw_block_table_history(block_manager_story(), ncols=2)
+    return draw_block_table_history(block_manager_story(), ncols=1)  # two side by side: too small to read

@@ -13,7 +13,7 @@ import torch
 
 from tinyserve.lab.cache_sizing import GiB, memory_budget, plain_offset, split_x_offset
 from tinyserve.lab.marked_cache import CopyOnWriteStory, PoolFrame, copy_on_write_story, seed_cache_rounds
-from tinyserve.viz.style import PALETTE, owner_colors, pick, pyplot
+from tinyserve.viz.style import MIN_FONT, PALETTE, owner_colors, pick, pyplot, text_size
 
 
 def _pool_row(ax, marks, device: str, frame: PoolFrame, y: float, colors: dict[str, str], gap: float) -> None:
@@ -37,13 +37,16 @@ def _pool_row(ax, marks, device: str, frame: PoolFrame, y: float, colors: dict[s
             rect.set_gid(f"slot:{device}:{b}:{off}")
             ax.add_patch(rect)
             if text:
-                t = ax.text(x0 + off + 0.46, y + 0.42, text, ha="center", va="center", fontsize=7,
+                t = ax.text(x0 + off + 0.46, y + 0.42, text, ha="center", va="center", fontsize=8.5,
                             color="black" if alpha == 1.0 else "#777")
                 t.set_gid(f"pos:{device}:{b}:{off}")
         owners = [rid for rid, table in (frame.gpu_tables if device == "GPU" else frame.cpu_tables).items()
                   if b in table]
-        ax.text(x0 + bs / 2, y - 0.28, f"{device} {b}" + (f" ({','.join(owners)})" if owners else ""),
-                ha="center", va="top", fontsize=7, color="#333")
+        # "block b", not "GPU b": the number is a block of this pool, not a device
+        ax.text(x0 + bs / 2, y - 0.2, f"block {b}" + (f" ({','.join(owners)})" if owners else ""),
+                ha="center", va="top", fontsize=MIN_FONT, color="#333")
+    if len(marks):
+        ax.text(-0.6, y + 0.42, f"{device}\npool", ha="right", va="center", fontsize=MIN_FONT, fontweight="bold")
 
 
 def draw_pools(frame: PoolFrame, ax=None, colors: dict[str, str] | None = None, title: str | None = None):
@@ -58,21 +61,34 @@ def draw_pools(frame: PoolFrame, ax=None, colors: dict[str, str] | None = None, 
     _pool_row(ax, frame.gpu, "GPU", frame, 1.9, colors, gap)
     _pool_row(ax, frame.cpu, "CPU", frame, 0.0, colors, gap)
     width = max(len(frame.gpu), len(frame.cpu)) * (frame.block_size + gap)
-    ax.set_xlim(-0.3, width)
-    ax.set_ylim(-0.75, 3.0)
+    ax.set_xlim(-3.2, width)
+    ax.set_ylim(-0.85, 3.0)
     ax.set_aspect("equal")
     ax.axis("off")
     if title is None:
         moves = []
         if frame.swapped_out:
-            moves.append("swap_out " + ", ".join(f"GPU {g}→CPU {c}" for g, c in frame.swapped_out.items()))
+            moves.append("swap_out " + ", ".join(f"GPU block {g}→CPU block {c}"
+                                                 for g, c in frame.swapped_out.items()))
         if frame.swapped_in:
-            moves.append("swap_in " + ", ".join(f"CPU {c}→GPU {g}" for c, g in frame.swapped_in.items()))
+            moves.append("swap_in " + ", ".join(f"CPU block {c}→GPU block {g}" for c, g in frame.swapped_in.items()))
         if frame.copied:
-            moves.append("copy " + ", ".join(f"{s}→{d}" for s, ds in frame.copied.items() for d in ds))
+            moves.append("copy block " + ", ".join(f"{s}→{d}" for s, ds in frame.copied.items() for d in ds))
         title = f"after round {frame.round}" + (": " + "; ".join(moves) if moves else "")
-    ax.set_title(title, loc="left", fontsize=9)
+    ax.set_title(title, loc="left", fontsize=MIN_FONT)
     return ax.figure
+
+
+def pool_key(fig, colors: dict[str, str], owner: str = "request", ncol: int | None = None) -> None:
+    """The key of a pool drawing, below it: a colour per owner, faded = stale, number = position."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=c, edgecolor="#555", label=f"{owner} {name}") for name, c in colors.items()]
+    handles.append(Patch(facecolor=next(iter(colors.values())), alpha=0.25, edgecolor="#555",
+                         label="faded: stale bytes (no table points here)"))
+    handles.append(Patch(facecolor="white", edgecolor="#555", label="number: the token's position"))
+    fig.legend(handles=handles, loc="lower center", ncol=ncol or len(handles), fontsize=MIN_FONT, frameon=False,
+               handlelength=1.2, columnspacing=1.2)
 
 
 SWAP_FIGURE_ROUNDS = (2, 3, 8, 12)
@@ -84,29 +100,32 @@ def fig_swap_pools(frames: list[PoolFrame] | None = None, rounds: tuple[int, ...
     frames = frames or seed_cache_rounds(max(rounds))
     by_round = {f.round: f for f in frames}
     plt = pyplot()
-    fig, axes = plt.subplots(len(rounds), 1, figsize=(9.5, 2.25 * len(rounds)))
+    fig, axes = plt.subplots(len(rounds), 1, figsize=(10, 2.3 * len(rounds) + 0.4))
     colors = owner_colors(["s0", "s1", "s2"])
     for ax, r in zip(axes, rounds):
         draw_pools(by_round[r], ax=ax, colors=colors)
-    fig.suptitle("Marked K/V in the CacheEngine's pools (numbers: token positions; faded: stale bytes)",
-                 fontsize=10, x=0.02, ha="left")
-    fig.tight_layout()
+    fig.suptitle("Marked K/V in the CacheEngine's pools, after the rounds that move blocks",
+                 fontsize=11, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    pool_key(fig, colors, "sequence")
     return fig
 
 
 def fig_copy_on_write(story: CopyOnWriteStory | None = None):
     story = story or copy_on_write_story()
     plt = pyplot()
-    fig, axes = plt.subplots(2, 1, figsize=(8, 3.6))
+    fig, axes = plt.subplots(2, 1, figsize=(8, 4.0))
     colors = owner_colors(["prompt", "r.0", "r.1"])
     shared = sorted(set(story.before.gpu_tables["r.0"]))
     draw_pools(story.before, ax=axes[0], colors=colors,
                title=f"after the prefill: both samples share blocks {', '.join(map(str, shared))}")
     draw_pools(story.after, ax=axes[1], colors=colors,
-               title=f"after copy {story.copies} and each sample's first token")
+               title="after copying block " + ", ".join(f"{a}→{b}" for a, bs in story.copies.items() for b in bs)
+               + " and each sample's first token")
     for ax in axes:
         ax.set_ylim(1.5, 3.0)  # there is no CPU pool in this story
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
+    pool_key(fig, {"prompt": colors["prompt"], "r.0": colors["r.0"], "r.1": colors["r.1"]}, "tokens of", ncol=3)
     return fig
 
 
@@ -156,7 +175,8 @@ def draw_split_x(block_size: int = 4, num_heads: int = 2, head_dim: int = 8, x: 
     }
     cols = min(n, 32)
     rows_per = -(-n // cols)
-    fig, axes = plt.subplots(2, 1, figsize=(0.36 * cols + 1.2, 0.45 * rows_per * 2 + 1.6))
+    fig, axes = plt.subplots(2, 1, figsize=(0.36 * cols + 1.2, 0.45 * rows_per * 2 + 2.0))
+    size = text_size(fig)  # 32 cells a row make a wide figure: its text must be large to survive the scaling
     for ax, (name, offset) in zip(axes, layouts.items()):
         read = []
         for t in range(block_size):
@@ -170,11 +190,11 @@ def draw_split_x(block_size: int = 4, num_heads: int = 2, head_dim: int = 8, x: 
                                      linewidth=2.0 if hot else 0.5, zorder=3 if hot else 1)
                     rect.set_gid(f"elem:{off}:{'hot' if hot else 'cold'}")
                     ax.add_patch(rect)
-                    ax.text(c + 0.47, -r + 0.45, f"{d}", ha="center", va="center", fontsize=6, color="white")
+                    ax.text(c + 0.47, -r + 0.45, f"{d}", ha="center", va="center", fontsize=size, color="white")
                     if hot:
                         read.append(off)
         for r in range(rows_per):
-            ax.text(-0.3, -r + 0.45, f"+{r * cols}", ha="right", va="center", fontsize=7, color="#555")
+            ax.text(-0.3, -r + 0.45, f"+{r * cols}", ha="right", va="center", fontsize=size, color="#555")
         read.sort()
         runs = 1 + sum(1 for a, b in zip(read, read[1:]) if b != a + 1)
         where = "one contiguous run" if runs == 1 else f"{runs} separate runs"
@@ -182,12 +202,12 @@ def draw_split_x(block_size: int = 4, num_heads: int = 2, head_dim: int = 8, x: 
         ax.set_ylim(-rows_per + 0.85, 1.0)
         ax.set_aspect("equal")
         ax.axis("off")
-        ax.set_title(f"{name}: the outlined {len(read)} elements lie in {where}", loc="left", fontsize=9)
+        ax.set_title(f"{name}: the outlined {len(read)} elements lie in {where}", loc="left", fontsize=size)
     handles = [Rectangle((0, 0), 1, 1, facecolor=pick(PALETTE, t)) for t in range(block_size)]
     fig.legend(handles, [f"token {t}" for t in range(block_size)], loc="lower center", ncol=block_size,
-               fontsize=8, frameon=False)
+               fontsize=size, frameon=False)
     fig.suptitle(f"One block's keys in memory, element by element, {cols} to a row (numbers: channel d; "
-                 f"faded: heads other than {head})", fontsize=10, x=0.02, ha="left")
+                 f"faded: heads other than {head})", fontsize=size, x=0.02, ha="left")
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 

@@ -8,7 +8,7 @@ only draws them.
 from __future__ import annotations
 
 from tinyserve.lab.kv_memory import MODELS, SCHEME_LABELS, SCHEMES, FragmentationResult, kv_table, measure_fragmentation
-from tinyserve.viz.style import SLOT_COLORS, SLOT_NAMES, pyplot
+from tinyserve.viz.style import MIN_FONT, SLOT_COLORS, SLOT_NAMES, pyplot
 
 
 def draw_fragmentation(results: dict[str, FragmentationResult], axes=None, only_when_waiting: bool = True):
@@ -18,7 +18,7 @@ def draw_fragmentation(results: dict[str, FragmentationResult], axes=None, only_
     plt = pyplot()
 
     if axes is None:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [1.25, 1]})
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), gridspec_kw={"width_ratios": [1.25, 1]})
     else:
         fig = axes[0].figure
     ax, ax2 = axes
@@ -28,7 +28,7 @@ def draw_fragmentation(results: dict[str, FragmentationResult], axes=None, only_
         for k, v in results[s].shares(only_when_waiting).items():
             ax.barh(i, v, left=left, color=SLOT_COLORS[k], edgecolor="white", label=SLOT_NAMES[k] if i == 0 else None)
             if v > 0.05:
-                ax.text(left + v / 2, i, f"{v:.0%}", ha="center", va="center", fontsize=9,
+                ax.text(left + v / 2, i, f"{v:.0%}", ha="center", va="center", fontsize=MIN_FONT,
                         color="black" if k == "free" else "white")
             left += v
     ax.set_yticks(range(len(names)), [SCHEME_LABELS[s] for s in names])
@@ -36,13 +36,14 @@ def draw_fragmentation(results: dict[str, FragmentationResult], axes=None, only_
     ax.set_xlim(0, 1)
     ax.set_xlabel("share of the KV arena, mean over the steps when a request waits" if only_when_waiting
                   else "share of the KV arena, mean over the run")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, fontsize=8, frameon=False)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, fontsize=MIN_FONT, frameon=False)
     for s in names:
         r = results[s]
         ax2.plot(r.running, label=f"{SCHEME_LABELS[s].replace(chr(10), ' ')} ({r.steps} steps)", lw=1.2)
     ax2.set_xlabel("step")
     ax2.set_ylabel("sequences running")
-    ax2.legend(fontsize=8, frameon=False, loc="upper right")
+    # below the axes like the left one: inside, it would sit on the curves
+    ax2.legend(fontsize=MIN_FONT, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.22))
     ax2.set_ylim(bottom=0)
     fig.tight_layout()
     return fig
@@ -67,7 +68,7 @@ def draw_kv_sizes(context: int = 2048, ax=None):
         ax.text(r["KiB_per_token"] + 8, i,
                 f"{r['KiB_per_token']:.1f} KiB/token = 2·{s.num_layers}·{s.num_kv_heads}·{s.head_dim}·2 B\n"
                 f"one {context}-token sequence: {r['MiB_per_seq']:.0f} MiB",
-                va="center", fontsize=8)
+                va="center", fontsize=9)
     ax.set_yticks(range(len(rows)), names)
     ax.invert_yaxis()
     ax.set_xlim(0, max(kib) * 2.1)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from tinyserve.lab.tp_memory import memory_table
 from tinyserve.models.loader import smollm2_135m_config
 from tinyserve.parallel import shard_shapes
-from tinyserve.viz.style import PALETTE, pick, pyplot
+from tinyserve.viz.style import MIN_FONT, PALETTE, pick, plain_log_ticks, pyplot
 
 
-def _rank_box(ax, x, y, w, h, color, text, alpha=0.85, fontsize=8, text_color="white"):
+def _rank_box(ax, x, y, w, h, color, text, alpha=0.85, fontsize=9.5, text_color="white"):
     from matplotlib.patches import FancyBboxPatch
 
     ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.02", fc=color, ec="black", lw=0.6,
@@ -47,7 +47,7 @@ def draw_column_row_parallel(hf_config=None, tp_size: int = 3, tokens: int = 5):
             ax.annotate("", (x1, y + row_h / 2), (x0, y + row_h / 2), arrowprops=dict(arrowstyle="->", lw=0.8))
     top = (tp_size - 1) * 1.15 + row_h
     _rank_box(ax, 9.6, 0.0, 1.5, top, "#333333", "all-reduce\nz = " + " + ".join(f"z{r}" for r in range(tp_size))
-         + f"\n[{t}, {h}]\non every rank", fontsize=8)
+         + f"\n[{t}, {h}]\non every rank", fontsize=9.5)
     for r in range(tp_size):
         y = (tp_size - 1 - r) * 1.15 + row_h / 2
         ax.annotate("", (9.6, y), (9.1, y), arrowprops=dict(arrowstyle="->", lw=0.8))
@@ -84,17 +84,17 @@ def draw_memory_per_rank(shapes: dict | None = None, bytes_per_param: int = 2, g
         ax.bar(xs, rep, color="#888888", label="replicated (embedding, LM head, norms)")
         ax.bar(xs, shard, bottom=rep, color="#4C72B0", label="sharded (attention, MLP)")
         for x, r in zip(xs, mine):
-            ax.text(x, r["total_GB"], f"{r['total_GB']:.3g}", ha="center", va="bottom", fontsize=8)
+            ax.text(x, r["total_GB"], f"{r['total_GB']:.3g}", ha="center", va="bottom", fontsize=9.5)
         if max(r["total_GB"] for r in mine) > gpu_gb:
             ax.axhline(gpu_gb, color="#C44E52", ls="--", lw=1)
             ax.text(len(xs) - 0.5, gpu_gb, f"{gpu_gb:.0f} GB GPU", color="#C44E52", ha="right", va="bottom",
-                    fontsize=8)
-        ax.set_title(name, fontsize=10)
+                    fontsize=9.5)
+        ax.set_title(name, fontsize=11)
         ax.set_xlabel("tensor_parallel_size k")
         ax.margins(y=0.15)
     axes[0].set_ylabel(f"weight GB per rank ({8 * bytes_per_param}-bit)")
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=MIN_FONT, frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
 
@@ -110,21 +110,23 @@ def draw_tp_step_times(times: dict[str, dict[str, float]]):
 
     labels = list(times)
     phases = list(times[labels[0]])
-    fig, ax = plt.subplots(figsize=(7, 2.9))
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
     width = 0.8 / len(labels)
     for i, label in enumerate(labels):
         xs = [p + (i - (len(labels) - 1) / 2) * width for p in range(len(phases))]
         vals = [times[label][ph] * 1e3 for ph in phases]
         ax.bar(xs, vals, width, color=pick(PALETTE, i), label=str(label))
         for x, v in zip(xs, vals):
-            ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)
+            ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=MIN_FONT)
     ax.set_xticks(range(len(phases)), [f"{p} round" for p in phases])
     values = [t for label in labels for t in times[label].values()]
     if max(values) > 8 * min(values):  # one setup far off the others (a busy machine): keep all readable
         ax.set_yscale("log")
+        plain_log_ticks(ax.yaxis)
     ax.set_ylabel("median model time (ms)")
-    ax.legend(fontsize=8)
+    # beside the bars, never on them: the legend must not hide a bar's value
+    ax.legend(fontsize=MIN_FONT, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     ax.margins(y=0.2)
-    ax.set_title("One rank vs two on the CPU (measured)", fontsize=10)
+    ax.set_title("One rank vs two on the CPU (measured)", fontsize=11)
     fig.tight_layout()
     return fig

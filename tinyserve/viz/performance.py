@@ -10,7 +10,7 @@ import numpy as np
 
 from tinyserve.lab.perf.results import SYSTEMS, read_results
 from tinyserve.lab.perf.steps import STEP_PARTS
-from tinyserve.viz.style import PHASE_COLORS, SYSTEM_COLORS, pyplot
+from tinyserve.viz.style import PHASE_COLORS, SYSTEM_COLORS, plain_log_ticks, pyplot
 
 
 def draw_headline(rows: list[dict], ax=None):
@@ -89,26 +89,31 @@ def draw_kv_utilization(rows: list[dict], ax=None):
 
 
 def draw_step_breakdown(rows: list[dict]):
-    """Left: every step's time (log scale) and batch size. Right: where an average prefill round
-    and an average decode round spend their time, part by part (log scale)."""
+    """Left, two panels over the same steps: every step's time (log scale) and its batch size.
+    Right: where an average prefill round and an average decode round spend their time, part by
+    part (log scale)."""
     plt = pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [1.6, 1]})
+    fig = plt.figure(figsize=(11, 4.6), layout="constrained")
+    grid = fig.add_gridspec(2, 2, width_ratios=[1.5, 1], height_ratios=[1.4, 1])
+    a = fig.add_subplot(grid[0, 0])
+    n = fig.add_subplot(grid[1, 0], sharex=a)
+    b = fig.add_subplot(grid[:, 1])
     steps = np.array([r["step"] for r in rows])
     total = np.array([1000 * sum(r[p] for p in STEP_PARTS) for r in rows])
+    batch = np.array([r["batch_size"] for r in rows])
     phases = PHASE_COLORS
-    for phase, color in phases.items():
-        pick = np.array([r["phase"] == phase for r in rows])
-        if pick.any():
-            a.scatter(steps[pick], total[pick], s=8, color=color, label=f"{phase} round")
-    a.set_yscale("log")
-    a.set_xlabel("engine step")
-    a.set_ylabel("step time (ms)")
-    twin = a.twinx()
-    twin.plot(steps, [r["batch_size"] for r in rows], color="#bab0ac", lw=1, label="sequences in the batch")
-    twin.set_ylabel("sequences in the batch")
-    a.legend(fontsize=8, loc="upper right")
-    twin.legend(fontsize=8, loc="lower left")
     present = [ph for ph in phases if any(r["phase"] == ph for r in rows)]
+    for phase in present:
+        pick = np.array([r["phase"] == phase for r in rows])
+        a.scatter(steps[pick], total[pick], s=10, color=phases[phase], label=f"{phase} round")
+        n.scatter(steps[pick], batch[pick], s=10, color=phases[phase])
+    a.set_yscale("log")
+    plain_log_ticks(a.yaxis)
+    a.set_ylabel("step time (ms)")
+    a.tick_params(labelbottom=False)
+    n.set_ylabel("sequences\nin the step")
+    n.set_xlabel("engine step")
+    n.set_ylim(bottom=0)
     height = 0.8 / len(present)
     for j, phase in enumerate(present):
         mine = [r for r in rows if r["phase"] == phase]
@@ -118,9 +123,12 @@ def draw_step_breakdown(rows: list[dict]):
     b.set_yticks(np.arange(len(STEP_PARTS)), STEP_PARTS)
     b.invert_yaxis()
     b.set_xscale("log")
+    plain_log_ticks(b.xaxis)
     b.set_xlabel("mean ms per round (log scale)")
-    b.legend(fontsize=8)
-    fig.tight_layout()
+    b.set_title("where a round's time goes", fontsize=11)
+    a.set_title("every step: its time, and how many sequences it ran", fontsize=11)
+    fig.legend(*b.get_legend_handles_labels(), loc="outside lower center", ncol=len(present), fontsize=10,
+               frameon=False)
     return fig
 
 

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 
 from tinyserve.lab.policy_runs import RATES, rate_sweep, sweep_configs, three_policies
 from tinyserve.sim import RoundRecord
-from tinyserve.viz.rounds import draw_timeline
-from tinyserve.viz.style import PALETTE, pyplot
+from tinyserve.viz.rounds import draw_timeline, draw_timelines
+from tinyserve.viz.style import MIN_FONT, PALETTE, pyplot
 
 POLICY_LABELS = {"vllm": "vLLM v0.4 (prefill or decode)", "orca": "Orca (mixed rounds)",
                  "v1": "vLLM V1 (one token budget)"}
@@ -23,16 +23,18 @@ POLICY_COLORS = {"vllm": PALETTE[0], "orca": PALETTE[1], "v1": PALETTE[2]}
 
 
 def draw_policy_timelines(runs: Mapping[str, Sequence[RoundRecord]], axes=None, title: str | None = None):
-    """The runs' timelines stacked, one per policy, all drawn over the longest run's rounds."""
-    plt = pyplot()
-    n = max(len(run) for run in runs.values())
-    if axes is None:
-        rows = max(len({rid for r in run for rid in (*r.batch, *r.waiting, *r.running)}) for run in runs.values())
-        _, axes = plt.subplots(len(runs), 1, figsize=(0.42 * n + 3.5, len(runs) * (0.42 * rows + 1.3)))
-    for ax, (policy, run) in zip(axes, runs.items()):
+    """The runs' timelines stacked, one per policy, all drawn over the longest run's rounds, with one
+    key under the last."""
+    def name(policy, run):
         preemptions = sum(len(r.preempted) for r in run)
-        draw_timeline(run, ax=ax, title=f"{POLICY_LABELS.get(policy, policy)}: {len(run)} rounds, "
-                                        f"{preemptions} preemption{'s' if preemptions != 1 else ''}")
+        return (f"{POLICY_LABELS.get(policy, policy)}: {len(run)} rounds, "
+                f"{preemptions} preemption{'s' if preemptions != 1 else ''}")
+
+    if axes is None:
+        return draw_timelines([(name(policy, run), run) for policy, run in runs.items()], title=title)
+    n = max(len(run) for run in runs.values())
+    for i, (ax, (policy, run)) in enumerate(zip(axes, runs.items())):
+        draw_timeline(run, ax=ax, title=name(policy, run), legend="below" if i == len(runs) - 1 else False)
         ax.set_xlim(0, n)
     fig = axes[0].figure
     if title:
@@ -44,7 +46,7 @@ def draw_policy_timelines(runs: Mapping[str, Sequence[RoundRecord]], axes=None, 
 def draw_rate_sweep(rows: Sequence[dict], title: str | None = None):
     """TTFT in rounds (mean solid, p90 dashed) and tokens per round against the request rate."""
     plt = pyplot()
-    fig, (ttft, tokens) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, (ttft, tokens) = plt.subplots(1, 2, figsize=(11, 4.4), layout="constrained")
     for policy in dict.fromkeys(row["policy"] for row in rows):
         mine = sorted((row for row in rows if row["policy"] == policy), key=lambda row: row["rate"])
         rates = [row["rate"] for row in mine]
@@ -52,16 +54,16 @@ def draw_rate_sweep(rows: Sequence[dict], title: str | None = None):
         ttft.plot(rates, [row["ttft_mean"] for row in mine], marker="o", ms=3, color=color, label=f"{label}, mean")
         ttft.plot(rates, [row["ttft_p90"] for row in mine], ls="--", color=color, alpha=0.7, label=f"{label}, p90")
         tokens.plot(rates, [row["tokens_per_round"] for row in mine], marker="o", ms=3, color=color, label=label)
-    ttft.set_ylabel("rounds from arrival to first token")
-    tokens.set_ylabel("tokens computed per round")
+    ttft.set_title("rounds from arrival to first token\n(mean solid, p90 dashed)", fontsize=11)
+    tokens.set_title("tokens computed per round", fontsize=11)
     for ax in (ttft, tokens):
         ax.set_xlabel("request rate (requests per round)")
         ax.grid(alpha=0.3)
-    ttft.legend(fontsize=7)
-    tokens.legend(fontsize=7)
+    # one key under both panels (a line per policy; its p90 is the dashed line of its colour)
+    fig.legend(*tokens.get_legend_handles_labels(), loc="outside lower center", ncol=3, fontsize=MIN_FONT,
+               frameon=False)
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
     return fig
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from tinyserve.lab.batching import preemption_sweep, random_requests, static_batching
 from tinyserve.lab.records import idle_slots, request_order, request_states, round_caption
 from tinyserve.sim import RoundRecord, simulate
-from tinyserve.viz.style import FINISH_MARK, REQUEST_PALETTE, STATES, SWAP_IN_MARK, pick, pyplot
+from tinyserve.viz.style import FINISH_MARK, MIN_FONT, REQUEST_PALETTE, STATES, SWAP_IN_MARK, pick, pyplot, text_size
 
 
 def request_colors(records: Sequence[RoundRecord]) -> dict[str, str]:
@@ -25,15 +25,21 @@ def request_colors(records: Sequence[RoundRecord]) -> dict[str, str]:
 
 # -- the timeline -------------------------------------------------------------------------------
 
-def draw_timeline(records: Sequence[RoundRecord], ax=None, title: str | None = None, legend: bool = True):
+def draw_timeline(records: Sequence[RoundRecord], ax=None, title: str | None = None, legend: bool | str = True):
     """A requests x rounds grid: what every request did in every round, with the batch size on top.
 
-    ✓ marks the round in which a request produced its last token, ↑ a swap back in."""
+    ✓ marks the round in which a request produced its last token, ↑ a swap back in. The key
+    (``legend``) goes "below" the grid, or "right" of it; ``True`` puts it below a figure drawn
+    here (beside it, a long timeline grows too wide to read at a column's width) and right of
+    an ``ax`` the caller laid out."""
     plt = pyplot()
     ids = request_order(records)
+    if legend is True:
+        legend = "below" if ax is None else "right"
     if ax is None:
-        _, ax = plt.subplots(figsize=(0.42 * len(records) + 2.0, 0.42 * len(ids) + 1.6))
+        _, ax = plt.subplots(figsize=(0.42 * len(records) + 2.0, 0.42 * len(ids) + (2.6 if legend else 1.6)))
     states = request_states(records)
+    size = text_size(ax.figure)
     for col, (r, st) in enumerate(zip(records, states)):
         for row, rid in enumerate(ids):
             state = st.get(rid)
@@ -44,27 +50,66 @@ def draw_timeline(records: Sequence[RoundRecord], ax=None, title: str | None = N
                                           edgecolor="#333" if rid in r.finished else "none", linewidth=1.2))
             mark = FINISH_MARK if rid in r.finished else SWAP_IN_MARK if rid in r.swapped_in else ""
             if mark:
-                ax.text(col + 0.5, row + 0.52, mark, ha="center", va="center", fontsize=9,
+                ax.text(col + 0.5, row + 0.52, mark, ha="center", va="center", fontsize=11,
                         color="white" if state in ("decode", "ignored") else "black")
-        ax.text(col + 0.5, -0.25, str(r.batch_size), ha="center", va="bottom", fontsize=8, color="#333")
+        ax.text(col + 0.5, -0.25, str(r.batch_size), ha="center", va="bottom", fontsize=size, color="#333")
     ax.set_xlim(0, len(records))
     ax.set_ylim(len(ids), -0.9)
-    ax.set_xticks([i + 0.5 for i in range(len(records))], [str(r.round) for r in records], fontsize=8)
-    ax.set_yticks([i + 0.5 for i in range(len(ids))], ids)
+    ax.set_xticks([i + 0.5 for i in range(len(records))], [str(r.round) for r in records], fontsize=size)
+    ax.set_yticks([i + 0.5 for i in range(len(ids))], ids, fontsize=size)
     ax.tick_params(length=0)
     for side in ("top", "right", "left", "bottom"):
         ax.spines[side].set_visible(False)
-    ax.set_xlabel("round")
-    ax.text(-0.15, -0.25, "batch", ha="right", va="bottom", fontsize=8, color="#333")
+    ax.set_xlabel("round", fontsize=size)
+    ax.text(-0.15, -0.25, "batch", ha="right", va="bottom", fontsize=size, color="#333")
     if title:
-        ax.set_title(title, loc="left", fontsize=10)
+        ax.set_title(title, loc="left", fontsize=max(11, size))
     if legend:
-        used = {s for st in states for s in st.values()}
-        handles = [plt.Rectangle((0, 0), 1, 1, facecolor=STATES[s][0]) for s in STATES if s in used]
-        labels = [STATES[s][1] for s in STATES if s in used]
-        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False,
-                  title=f"{FINISH_MARK} last token   {SWAP_IN_MARK} swapped in", title_fontsize=7)
+        timeline_key(ax, {s for st in states for s in st.values()}, where=legend)
     return ax.figure
+
+
+def timeline_key(ax, used: set[str], where: str = "below") -> None:
+    """The key of ``draw_timeline`` (the states in ``used``): under the round numbers of ``ax``,
+    or at its right (``where="right"``)."""
+    from matplotlib.transforms import offset_copy
+
+    plt = pyplot()
+    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=STATES[s][0]) for s in STATES if s in used]
+    labels = [STATES[s][1] for s in STATES if s in used]
+    size = text_size(ax.figure)
+    marks = f"{FINISH_MARK} last token   {SWAP_IN_MARK} swapped in"
+    if where == "right":
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=size, frameon=False,
+                  title=marks, title_fontsize=size)
+        return
+    below = offset_copy(ax.transAxes, ax.figure, y=-40, units="points")
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(0, 0), bbox_transform=below, ncol=2,
+              fontsize=size, frameon=False, alignment="left", title=marks, title_fontsize=size)
+
+
+def draw_timelines(runs: Sequence[tuple[str, Sequence[RoundRecord]]], title: str | None = None,
+                   rounds: int | None = None):
+    """Several ``(title, records)`` timelines stacked over the same rounds, with one key under the
+    last (the union of the states they show)."""
+    plt = pyplot()
+    n = rounds or max(len(records) for _, records in runs)
+    heights = [len(request_order(records)) + 0.9 for _, records in runs]  # the rows and the batch sizes
+    # and, in inches, each panel's title and round numbers, the key under the last, the suptitle
+    extra = 0.95 * len(runs) + 1.5 + (0.4 if title else 0)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(0.42 * n + 2.2, 0.42 * sum(heights) + extra),
+                             gridspec_kw={"height_ratios": heights})
+    axes = [axes] if len(runs) == 1 else list(axes)
+    used: set[str] = set()
+    for ax, (name, records) in zip(axes, runs):
+        draw_timeline(records, ax=ax, title=name, legend=False)
+        ax.set_xlim(0, n)
+        used |= {s for st in request_states(records) for s in st.values()}
+    timeline_key(axes[-1], used)
+    if title:
+        fig.suptitle(title, x=0.02, ha="left", fontsize=11)
+    fig.tight_layout()
+    return fig
 
 
 # -- one round: queues and block tables ---------------------------------------------------------
@@ -92,8 +137,8 @@ def _draw_pool(ax, x0: float, y0: float, tables: dict[str, list[int]], num_block
                                    else "white", edgecolor="#666", linewidth=0.8))
         if who:
             text = rid if len(who) == 1 else f"{rid}×{len(who)}"
-            ax.text(x + 0.5, y + 0.45, text, ha="center", va="center", fontsize=7)
-        ax.text(x + 0.93, y + 0.92, str(b), ha="right", va="bottom", fontsize=5, color="#777")
+            ax.text(x + 0.5, y + 0.42, text, ha="center", va="center", fontsize=8)
+        ax.text(x + 0.93, y + 0.94, str(b), ha="right", va="bottom", fontsize=7, color="#555")
     return y0 + 0.15 + max(1, -(-num_blocks // cols)) + 0.7
 
 
@@ -111,7 +156,7 @@ def _draw_queue(ax, x0: float, y0: float, width: float, name: str, ids: list[str
                                    edgecolor="#e15759" if preempted else "black",
                                    linewidth=2.2 if in_batch or preempted else 0.6,
                                    linestyle="--" if preempted else "-"))
-        ax.text(x0 + 0.05 + (i + 0.5) * chip, y0 + 0.75, rid, ha="center", va="center", fontsize=7)
+        ax.text(x0 + 0.05 + (i + 0.5) * chip, y0 + 0.75, rid, ha="center", va="center", fontsize=8)
 
 
 def draw_round(record: RoundRecord, ax=None, title: str | None = None, colors: dict[str, str] | None = None):
@@ -182,20 +227,21 @@ def draw_preemption_sweep(results: dict[float, list[dict]], title: str | None = 
     plt = pyplot()
     metrics = (("preemptions", "preemptions"), ("recomputed_tokens", "tokens prefilled again"),
                ("rounds", "rounds to finish the workload"))
-    fig, axes = plt.subplots(1, len(metrics), figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(11, 3.9), layout="constrained")
     for wm, rows in results.items():
         xs = [row["num_gpu_blocks"] for row in rows]
         for ax, (key, _) in zip(axes, metrics):
             ax.plot(xs, [row[key] for row in rows], marker="o", ms=3, label=f"watermark {wm:g}")
     for ax, (_, label) in zip(axes, metrics):
-        ax.set_ylabel(label)
+        ax.set_title(label, fontsize=11)
     for ax in axes:
         ax.set_xlabel("GPU blocks")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    # one key under the panels: inside one, it would sit on its lines
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=len(results),
+               fontsize=MIN_FONT, frameon=False)
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
     return fig
 
 
@@ -209,29 +255,19 @@ def fig_static_vs_iteration():
     from tinyserve import presets
 
     p = presets.orca_example("orca")
-    plt = pyplot()
     static, orca = static_batching(p.requests, max_batch_size=5), _run(p)
-    fig, axes = plt.subplots(2, 1, figsize=(13, 5.6), gridspec_kw={"height_ratios": [1, 1]})
-    draw_timeline(static, ax=axes[0], title=f"request-level batching: {len(static)} rounds, "
-                                            f"{idle_slots(static)} idle slot-rounds")
-    draw_timeline(orca, ax=axes[1], title=f"iteration-level batching (Orca): {len(orca)} rounds, "
-                                          f"{idle_slots(orca)} idle slot-rounds")
-    axes[1].set_xlim(0, len(static))
-    fig.tight_layout()
-    return fig
+    return draw_timelines([(f"request-level batching: {len(static)} rounds, {idle_slots(static)} idle slot-rounds",
+                            static),
+                           (f"iteration-level batching (Orca): {len(orca)} rounds, {idle_slots(orca)} idle "
+                            "slot-rounds", orca)])
 
 
 def fig_orca_vs_vllm():
     from tinyserve import presets
 
-    plt = pyplot()
     orca, vllm = _run(presets.orca_example("orca")), _run(presets.orca_example("vllm"))
-    fig, axes = plt.subplots(2, 1, figsize=(11, 5.6))
-    draw_timeline(orca, ax=axes[0], title="A–E under the orca policy (prefill and decode mixed)")
-    draw_timeline(vllm, ax=axes[1], title="A–E under the vllm policy (a round is all prefill or all decode)")
-    axes[0].set_xlim(0, len(vllm))
-    fig.tight_layout()
-    return fig
+    return draw_timelines([("A–E under the orca policy (prefill and decode mixed)", orca),
+                           ("A–E under the vllm policy (a round is all prefill or all decode)", vllm)])
 
 
 def fig_seed_rounds_blocks():
@@ -244,15 +280,9 @@ def fig_seed_rounds_blocks():
 def fig_recompute_vs_swap():
     from tinyserve import presets
 
-    plt = pyplot()
     swap, recompute = _run(presets.seed_rounds("swap")), _run(presets.seed_rounds("recompute"))
-    fig, axes = plt.subplots(2, 1, figsize=(10, 4.2))
-    draw_timeline(swap, ax=axes[0], title=f"preemption by swap: {len(swap)} rounds")
-    draw_timeline(recompute, ax=axes[1], title=f"preemption by recompute: {len(recompute)} rounds")
-    axes[0].set_xlim(0, max(len(swap), len(recompute)))
-    axes[1].set_xlim(0, max(len(swap), len(recompute)))
-    fig.tight_layout()
-    return fig
+    return draw_timelines([(f"preemption by swap: {len(swap)} rounds", swap),
+                           (f"preemption by recompute: {len(recompute)} rounds", recompute)])
 
 
 SWEEP_BLOCKS = tuple(range(16, 81, 4))

@@ -27,35 +27,36 @@ def _targets(results_dir=None) -> tuple[float | None, float | None]:
 
 
 def draw_serving_latency(rows: list[dict], ttft_target_s: float | None = None, itl_target_s: float | None = None):
-    """TTFT p50/p90 and ITL p50 against request rate, a line per policy (in the CSV's order)."""
+    """TTFT p50, TTFT p90 and ITL p50 against request rate, a panel each and a line per policy (in the
+    CSV's order); one key below the panels, so that no legend sits on the lines."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
     plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4), layout="constrained")
+    fig, axes = plt.subplots(1, 3, figsize=(11, 4.1), layout="constrained", sharex=True)
     policies = list(dict.fromkeys(r["policy"] for r in rows))
-    for i, policy in enumerate(policies):
-        mine = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["rate"])
-        rates = [r["rate"] for r in mine]
-        color = PALETTE[i % len(PALETTE)]
-        label = SERVING_LABELS.get(policy, policy)
-        left.plot(rates, [r["ttft_p50_s"] for r in mine], "o-", color=color, label=f"{label} p50")
-        left.plot(rates, [r["ttft_p90_s"] for r in mine], "s--", color=color, alpha=0.7, label=f"{label} p90")
-        right.plot(rates, [r["itl_p50_s"] for r in mine], "o-", color=color, label=label)
-    for ax, target, name in ((left, ttft_target_s, "TTFT"), (right, itl_target_s, "ITL")):
-        if target:
-            ax.axhline(target, color="grey", lw=1, ls=":")
-            ax.annotate(f"goodput target: {name} ≤ {target:g} s", (0.98, target), xycoords=("axes fraction", "data"),
-                        ha="right", va="bottom", fontsize=8, color="grey")
+    rates_all = sorted({r["rate"] for r in rows})
+    panels = (("ttft_p50_s", "time to first token, p50 (s)", ttft_target_s, "TTFT"),
+              ("ttft_p90_s", "time to first token, p90 (s)", ttft_target_s, "TTFT"),
+              ("itl_p50_s", "time per output token, p50 (s)", itl_target_s, "ITL"))
+    for ax, (key, title, target, name) in zip(axes, panels):
+        for i, policy in enumerate(policies):
+            mine = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["rate"])
+            ax.plot([r["rate"] for r in mine], [r[key] for r in mine], "o-", color=PALETTE[i % len(PALETTE)],
+                    label=SERVING_LABELS.get(policy, policy))
+        if target:  # named in the title and the key: a label on the line would sit on the data
+            ax.axhline(target, color="grey", lw=1.2, ls=":", label="goodput target")
+            title = f"{title}\ntarget: {name} ≤ {target:g} s"
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["rate"] for r in rows}), [f"{x:g}" for x in sorted({r["rate"] for r in rows})])
-        ax.set_xlabel("request rate (requests/s, Poisson)")
+        ax.set_xticks(rates_all, [f"{x:g}" for x in rates_all])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("requests/s (Poisson)")
+        ax.set_title(title, fontsize=11)
         ax.grid(alpha=0.3)
-    left.set_yscale("log")
-    left.set_ylabel("time to first token (s)")
-    left.set_title("TTFT: p50 (solid), p90 (dashed)")
-    right.set_ylabel("inter-token latency p50 (s)")
-    right.set_title("time per output token after the first (p50)")
-    left.legend(fontsize=7, ncol=2)
-    right.legend(fontsize=8)
-    fig.suptitle("Latency under load through the real server (guidellm, streamed, 2 CPU cores)")
+        ax.set_ylim(bottom=0)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=10, frameon=False)
+    fig.suptitle("Latency under load through the real server (guidellm, streamed, 2 CPU cores)", fontsize=12)
     return fig
 
 

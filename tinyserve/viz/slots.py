@@ -33,16 +33,16 @@ def draw_slots(block_tables: dict[str, list[int]], seq_lens: dict[str, int], num
             owner = holder.get(slot)
             ax.add_patch(Rectangle((off, y), 0.95, 0.8, gid=f"slot:{slot}", edgecolor="#555555", lw=0.8,
                                    facecolor=colors[owner[0]] if owner else "white", alpha=0.8 if owner else 1))
-            ax.text(off + 0.06, y + 0.7, str(slot), ha="left", va="top", fontsize=6, color="#555555")
+            ax.text(off + 0.06, y + 0.7, str(slot), ha="left", va="top", fontsize=7.5, color="#555555")
             if owner:
                 ax.text(off + 0.5, y + 0.32, f"{owner[0]}[{owner[1]}]", ha="center", va="center", fontsize=7.5,
                         gid=f"token:{owner[0]}:{owner[1]}")
-    ax.legend(handles=[Patch(facecolor=colors[k], label=k) for k in block_tables], fontsize=7,
+    ax.legend(handles=[Patch(facecolor=colors[k], label=k) for k in block_tables], fontsize=8,
               loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_xlim(-1.6, block_size + 0.1)
     ax.set_ylim(-0.2, num_blocks)
     ax.axis("off")
-    ax.set_title("offset in block →", fontsize=8, loc="center")
+    ax.set_title("offset in block →", fontsize=9, loc="center")
     return ax
 
 

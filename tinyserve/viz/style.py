@@ -79,7 +79,7 @@ STATES = {
     "waiting": ("#ececec", "waiting"),
     "preempted": ("#e15759", "preempted this round"),
     "swapped": ("#b07aa1", "swapped out to the CPU"),
-    "ignored": ("#555555", "ignored (can never run)"),
+    "ignored": ("#555555", "ignored (dropped unfinished)"),
 }
 FINISH_MARK = "✓"
 SWAP_IN_MARK = "↑"
@@ -98,3 +98,25 @@ SLOT_NAMES = {"used": "holds a token", "internal": "reserved, unused (internal)"
 
 SYSTEM_COLORS = {"tinyserve": "#4e79a7", "tinyserve-orca": "#76b7b2", "generate": "#f28e2b",
                  "generate_batch": "#59a14f"}
+
+
+# -- legibility -------------------------------------------------------------------------------------
+
+# The smallest text a figure may carry, in points, when its PNG (110 dpi) is shown 900 px wide or less:
+# 10 px on screen. tests/test_figure_legibility.py measures every registered figure against it.
+MIN_FONT = 10
+
+
+def plain_log_ticks(axis) -> None:
+    """Label a log axis 0.1, 1, 10, 100 rather than 10⁻¹, 10⁰…: no superscripts too small to read,
+    and no "6×10⁰" minor labels."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def text_size(fig, smallest: float = MIN_FONT) -> float:
+    """A font size (points) still 10 px on screen when ``fig`` is saved at 110 dpi and scaled down
+    to 900 px wide: a wide figure needs larger text (0.8 pt per inch of width), never below ``smallest``."""
+    return max(smallest, round(0.82 * fig.get_figwidth(), 1))

@@ -21,13 +21,13 @@ def draw_sweep_heatmap(rows: list[dict]):
     norm = TwoSlopeNorm(vcenter=1.0, vmin=min(min(values), 0.9), vmax=max(max(values), 1.1))
     cells = grids[0][0]
     labels = [f"{p} prompts, out {o}, ≤{b} running" for p, o, b in cells]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 0.45 * len(labels) + 2), sharey=True, layout="constrained")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(labels) + 2), sharey=True, layout="constrained")
     for ax, base, (_, grid) in zip(axes, BASELINES, grids):
         im = ax.imshow(grid, cmap="RdBu_r", norm=norm, aspect="auto")
         for i, line in enumerate(grid):
             for j, v in enumerate(line):
                 dark = abs(norm(v) - 0.5) > 0.35  # white text on the deepest colours
-                ax.text(j, i, f"{v:.2f}×", ha="center", va="center", fontsize=9,
+                ax.text(j, i, f"{v:.2f}×", ha="center", va="center", fontsize=10,
                         color="white" if dark else "black")
                 if v < target(cells[i], base):
                     ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=1.5, ls="--",
