@@ -142,10 +142,46 @@ def _display_once(view) -> None:
     display(data, raw=True, metadata=metadata)
 
 
-class SourceView:
+class _Listing:
+    """What a listing and a solution share: plain text for a terminal, highlighted HTML with an
+    id in the output's metadata (``_key``) for Jupyter, by which tests render it again."""
+
+    _key: str
+    name: str
+    code: str
+    rows: list[tuple[int, str, bool]]
+    last_line: int
+
+    def header(self) -> str:
+        raise NotImplementedError
+
+    def _ident(self) -> dict:
+        raise NotImplementedError
+
+    def _subtitle(self) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{self.header()}\n{self.code}"
+
+    def _repr_html_(self) -> str:
+        tag = json.dumps(self._ident()).replace("--", "- -")
+        return _listing_html(self.rows, self.code, self.last_line, f"<!-- {self._key} {tag} -->", self.name,
+                             self._subtitle())
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> tuple[dict, dict]:
+        return ({"text/plain": repr(self), "text/html": self._repr_html_()}, {self._key: self._ident()})
+
+    def _ipython_display_(self) -> None:
+        _display_once(self)
+
+
+class SourceView(_Listing):
     """The source of one object at one chapter's stage: highlighted with the file's own line
     numbers in Jupyter, plain text elsewhere. ``code`` is the rendered text, ``rows`` the lines
     with their line numbers in the file (a fold row carries its opening marker's number)."""
+
+    _key = METADATA_KEY
 
     def __init__(self, obj: object, chapter: int | None = None) -> None:
         obj = _unwrap_kernel(obj)
@@ -233,20 +269,11 @@ class SourceView:
         """The first line of the plain-text listing, by which tests recognise listings."""
         return f"# {self.name}  ({self._where()}, {self._stage()})"
 
-    def __repr__(self) -> str:
-        return f"{self.header()}\n{self.code}"
+    def _ident(self) -> dict:
+        return self.listing_id
 
-    def _repr_html_(self) -> str:
-        tag = json.dumps(self.listing_id).replace("--", "- -")
-        return _listing_html(self.rows, self.code, self.last_line, f"<!-- {METADATA_KEY} {tag} -->",
-                             self.name, f"{self._where()} · {self._stage()}")
-
-    def _repr_mimebundle_(self, include=None, exclude=None) -> tuple[dict, dict]:
-        return ({"text/plain": repr(self), "text/html": self._repr_html_()},
-                {METADATA_KEY: self.listing_id})
-
-    def _ipython_display_(self) -> None:
-        _display_once(self)
+    def _subtitle(self) -> str:
+        return f"{self._where()} · {self._stage()}"
 
 
 def show(obj: object, chapter: int | None = _UNSET) -> SourceView:  # type: ignore[assignment]
@@ -264,9 +291,11 @@ def show(obj: object, chapter: int | None = _UNSET) -> SourceView:  # type: igno
     return view
 
 
-class SolutionView:
+class SolutionView(_Listing):
     """One top-level definition of a chapter's solutions file, rendered as a listing is:
     highlighted with the file's line numbers in Jupyter, plain text elsewhere."""
+
+    _key = SOLUTION_KEY
 
     def __init__(self, path: str, name: str) -> None:
         self.path, self.name = str(path), name
@@ -282,19 +311,11 @@ class SolutionView:
     def header(self) -> str:
         return f"# {self.name}, the book's solution ({self.path}, lines {self.first_line}-{self.last_line})"
 
-    def __repr__(self) -> str:
-        return f"{self.header()}\n{self.code}"
+    def _ident(self) -> dict:
+        return self.solution_id
 
-    def _repr_html_(self) -> str:
-        tag = json.dumps(self.solution_id).replace("--", "- -")
-        return _listing_html(self.rows, self.code, self.last_line, f"<!-- {SOLUTION_KEY} {tag} -->", self.name,
-                             f"{self.path}:{self.first_line}-{self.last_line} · the book's solution")
-
-    def _repr_mimebundle_(self, include=None, exclude=None) -> tuple[dict, dict]:
-        return ({"text/plain": repr(self), "text/html": self._repr_html_()}, {SOLUTION_KEY: self.solution_id})
-
-    def _ipython_display_(self) -> None:
-        _display_once(self)
+    def _subtitle(self) -> str:
+        return f"{self.path}:{self.first_line}-{self.last_line} · the book's solution"
 
 
 def show_solution(path: str, name: str) -> SolutionView:
