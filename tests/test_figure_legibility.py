@@ -233,6 +233,57 @@ def test_chapter_12_chunked_timeline_on_its_own_axes_is_legible():
     assert legibility_problems(fig) == []
 
 
+def test_chapter_05_watermark_timelines_are_legible():
+    """Chapter 05's five arrivals on 10 blocks without and with a watermark: timelines of 32 and
+    37 rounds, the widest the chapter draws."""
+    from tinyserve import sim
+    from tinyserve.config import CacheConfig, SchedulerConfig
+    from tinyserve.viz.rounds import draw_preemption_runs
+
+    few = [sim.Request(f"r{i}", 6, 14, arrival_round=1 + i) for i in range(5)]
+    sched = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=64, preemption_mode="recompute")
+    runs = {f"watermark {wm}": sim.simulate(few, sched, CacheConfig(block_size=4, num_gpu_blocks=10,
+                                                                      num_cpu_blocks=16, watermark=wm))
+            for wm in (0.0, 0.3)}
+    assert max(len(records) for records in runs.values()) > 30
+    assert legibility_problems(draw_preemption_runs(runs, few)) == []
+
+
+def test_chapter_05_compat_timelines_are_legible():
+    """Chapter 05's seed example under tinyserve's rules and v0.4's, three timelines stacked."""
+    from tinyserve import presets, sim
+    from tinyserve.viz.rounds import draw_timelines
+
+    runs = [(name, sim.simulate(p.requests, p.scheduler_config, p.cache_config))
+            for name, p in (("tinyserve, swap", presets.seed_rounds("swap")),
+                            ("v0.4, swap", presets.seed_rounds("swap", compat="vllm-0.4")),
+                            ("v0.4, its default", presets.seed_rounds(None, compat="vllm-0.4")))]
+    assert legibility_problems(draw_timelines(runs)) == []
+
+
+def test_chapter_05_abort_rounds_are_legible():
+    """Chapter 05 draws two states of the seed example's pools (before and after the aborts) with
+    ``draw_round_panels``; here two rounds of the swap run, with the same pools and a swapped request."""
+    from tinyserve import presets, sim
+    from tinyserve.viz.rounds import draw_round_panels
+
+    p = presets.seed_rounds("swap")
+    records = sim.simulate(p.requests, p.scheduler_config, p.cache_config)
+    assert records[2].num_cpu_blocks and records[2].swapped
+    fig = draw_round_panels([("after round 3, with s2 swapped out", records[2]),
+                             ("after round 12", records[11])])
+    assert legibility_problems(fig) == []
+
+
+def test_chapter_11_decode_cost_is_legible():
+    """``draw_decode_cost`` with step times of the shape chapter 11 measures (the small batches
+    noisy, so the line is not monotone)."""
+    from tinyserve.viz.performance import draw_decode_cost
+
+    for step_ms in ([73, 122, 97, 138, 193], [73, 75, 80, 96, 140], [200, 150, 160, 180, 210]):
+        assert legibility_problems(draw_decode_cost([1, 4, 8, 16, 32], step_ms)) == []
+
+
 # -- the measure itself catches what it should --------------------------------------------------------------
 
 

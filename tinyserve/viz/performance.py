@@ -10,7 +10,7 @@ import numpy as np
 
 from tinyserve.lab.perf.results import SYSTEMS, read_results
 from tinyserve.lab.perf.steps import STEP_PARTS
-from tinyserve.viz.style import PHASE_COLORS, SYSTEM_COLORS, plain_log_ticks, pyplot
+from tinyserve.viz.style import MIN_FONT, PHASE_COLORS, SYSTEM_COLORS, plain_log_ticks, pyplot
 
 
 def draw_headline(rows: list[dict], ax=None):
@@ -129,6 +129,24 @@ def draw_step_breakdown(rows: list[dict]):
     a.set_title("every step: its time, and how many sequences it ran", fontsize=11)
     fig.legend(*b.get_legend_handles_labels(), loc="outside lower center", ncol=len(present), fontsize=10,
                frameon=False)
+    return fig
+
+
+def draw_decode_cost(batch_sizes: list[int], step_ms: list[float]):
+    """The time of one decode step against the number of sequences in it, with batch 1's time as a
+    dotted floor: the fixed part of a step, mostly reading the weights."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.plot(batch_sizes, step_ms, "o-", color=SYSTEM_COLORS["tinyserve"], label="one decode step")
+    ax.axhline(step_ms[0], ls=":", color="#8c8c8c", label=f"batch {batch_sizes[0]}: mostly reading the weights")
+    ax.set_xlabel("sequences in the batch", fontsize=MIN_FONT + 1)
+    ax.set_ylabel("ms per step", fontsize=MIN_FONT + 1)
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.set_ylim(0, 1.15 * max(step_ms))
+    # under the axes: inside, it sits on the floor line whatever the corner
+    ax.legend(fontsize=MIN_FONT, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, frameon=False)
+    ax.set_title(f"{batch_sizes[-1]} sequences cost {step_ms[-1] / step_ms[0]:.1f}× one sequence, "
+                 f"not {batch_sizes[-1] / batch_sizes[0]:g}×", fontsize=MIN_FONT + 1)
     return fig
 
 
