@@ -1,6 +1,6 @@
 """The RoundStepper, driven headlessly: click through every round and back, sweep the slider over
 every value, play, and check that what it shows (one HTML value: text and picture) matches the
-records it was given, that its picture is never stretched, and that its saved view is a filmstrip."""
+records it was given, that its picture is never stretched, and that its saved view is one key frame."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from tinyserve import presets, sim
 from tinyserve.viz.stepper import RoundStepper
-from tinyserve.viz.widget_view import PIXEL_RATIO, png_size
+from tinyserve.viz.widget_view import PIXEL_RATIO, TEXT_LINE_EM, png_size
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -175,24 +175,90 @@ def test_ignored_requests_are_listed():
     assert fields(stepper.view.value)["ignored"] == "long"
 
 
-def test_saved_view_is_a_filmstrip_beside_the_widget():
+def test_saved_view_is_a_key_frame_beside_the_widget():
     records = PRESETS["seed_swap"]()
     stepper = RoundStepper(records)
     bundle = stepper._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
-    still = base64.b64decode(bundle["image/png"])
+    still, alt, _ = picture(bundle["text/html"])
     assert still.startswith(PNG_MAGIC)
-    # Several rounds in one image: wider and taller than one round drawn at the same dpi.
     keys = stepper.key_steps()
     assert 3 <= len(keys) <= 9 and keys[0] == 0 and keys[-1] == len(records) - 1
-    assert [2, 7] == [k for k in keys if records[k].preempted]  # both preemptions of the story are in it
-    one = png_size(stepper.png(0, 64))
-    sheet = png_size(still)
-    assert sheet[0] > 2 * one[0] and sheet[1] > 2 * one[1]
-    assert bundle["text/plain"].startswith(f"RoundStepper over {len(records)} rounds")
-    assert "round 3" in bundle["text/plain"]
+    assert [2, 7] == [k for k in keys if records[k].preempted]  # both preemptions of the story are key steps
+    # The saved view shows one round: the first preemption (s2 swapped out in round 3).
+    assert stepper.key_frame() == 2 and alt == "round 3"
+    assert bundle["text/plain"] == (f"▶ run the cell to step through the {len(records)} rounds; "
+                                    "the picture shows round 3")
 
 
 def test_empty_records_are_refused():
     with pytest.raises(ValueError, match="records"):
         RoundStepper([])
+
+
+# -- a layout that stays put -------------------------------------------------------------------
+
+FONT_PX = 13        # JupyterLab's widget font size: one em of the text area
+CONTROL_ROW_PX = 36  # one row of controls (play, buttons, slider; a toggle row)
+
+
+def text_area(view: str) -> tuple[float, list[int]]:
+    """The view's text area: its height in em, and how many lines each of its columns has."""
+    m = re.search(r'<div class="tinyserve-text" style="([^"]*)">(.*?)</div></div>(?:<img|</div>$)', view, re.S)
+    assert m, "the view has no text area"
+    style, body = m.groups()
+    assert "flex-wrap:nowrap" in style, "columns that wrap move the picture"
+    height = float(re.search(r"height:([\d.]+)em;", style).group(1))
+    cols = body.split('<div class="tinyserve-column"')[1:]
+    return height, [len(re.findall(r"<div><b>", col)) for col in cols]
+
+
+def layout_height_px(view: str) -> float:
+    """The height of text and picture together, at FONT_PX (the picture at its CSS height)."""
+    height, _ = text_area(view)
+    m = re.search(r'<img [^>]*height="(\d+)"', view)
+    return height * FONT_PX + (int(m.group(1)) if m else 0)
+
+
+def assert_stays_put(stepper, max_height_px: int = 700) -> None:
+    """Every step: one text-area height that holds every column's lines, one picture size, and
+    controls, text and picture within ``max_height_px`` (what the browser test measures)."""
+    heights, layouts = set(), set()
+    for value in range(1, stepper.num_steps + 1):
+        stepper.slider.value = value
+        height, lines = text_area(stepper.view.value)
+        assert max(lines) * TEXT_LINE_EM <= height, (value, lines, height)
+        heights.add(height)
+        layouts.add(layout_height_px(stepper.view.value))
+    assert len(heights) == 1, f"the text area changes height: {sorted(heights)}"
+    assert len(layouts) == 1, f"the layout changes height: {sorted(layouts)}"
+    layout = layouts.pop()
+    if not stepper.draw:  # the text alone was swept: every step's picture has one size (render_png)
+        layout += png_size(stepper.png(0))[1] // PIXEL_RATIO
+    rows = 1 + len(stepper.widget.children) - 2  # the play row and any extra control rows
+    assert layout + rows * CONTROL_ROW_PX <= max_height_px, f"{layout:.0f} px of text and picture, {rows} rows"
+
+
+def test_text_area_keeps_its_height_when_a_round_has_more_lines():
+    """Round 1 of an engine's history has a "produced" line the other rounds lack, and a round
+    with an ignored request another: the text area is as tall in every round, so the picture
+    under it never moves."""
+    records = PRESETS["seed_swap"]()
+    records[0] = dataclasses.replace(records[0], tokens={"s0": " Dustin", "s1": " bright"}, ignored=["x"])
+    stepper = RoundStepper(records)
+    lines = [max(text_area(stepper.view.value)[1])]
+    stepper.next_button.click()
+    lines.append(max(text_area(stepper.view.value)[1]))
+    assert lines[0] == lines[1] + 2
+    assert_stays_put(stepper)
+    assert text_area(stepper.view.value)[0] == pytest.approx((lines[0] + stepper.text_spare_lines) * TEXT_LINE_EM)
+
+
+def test_icon_buttons_say_what_they_do():
+    """Play's buttons are icons: the Play widget carries a tooltip naming them (the frontend puts
+    it on the buttons' box only when the widget has no description). prev and next have theirs."""
+    stepper = RoundStepper(PRESETS["seed_swap"](), draw=False)
+    assert stepper.play.description == ""
+    for word in ("play", "pause", "stop", "repeat"):
+        assert word in stepper.play.tooltip
+    assert stepper.prev_button.tooltip == "the previous round" and stepper.next_button.tooltip == "the next round"

@@ -4,12 +4,10 @@ real objects, without the widget (or the lab module it draws from)."""
 
 from __future__ import annotations
 
-import base64
-
 import pytest
 import torch
 from test_policy_runs import drive
-from test_stepper import PNG_MAGIC, data_step, fields, picture
+from test_stepper import PNG_MAGIC, assert_stays_put, data_step, fields, picture
 
 from tinyserve import presets, sim
 from tinyserve.block import Device
@@ -136,7 +134,7 @@ def test_policy_stepper_sweeps_both_runs():
             assert text.startswith(f"round {value} · {r.phase}")
             # No preemption in this workload: a batch member prefills iff it never ran before.
             before = {rid for q in records[:value - 1] for rid in q.batch}
-            col = fields(text.split("<div style=", 1)[0] if name == "orca" else text)
+            col = fields(text.split('<div class="tinyserve-column"', 1)[0])
             assert col["prefill"] == (", ".join(f"{rid} ({r.chunk_sizes[rid]})" for rid in r.batch
                                                 if rid not in before) or "—")
             assert col["decode"] == (", ".join(rid for rid in r.batch if rid in before) or "—")
@@ -154,7 +152,7 @@ def test_policy_stepper_sweeps_both_runs():
 def columns(view: str) -> list[dict[str, str]]:
     """The stepper's columns, one dict of label -> text each."""
     text = view.split('<img', 1)[0]
-    return [fields(col) for col in text.split('<div style="margin-right:40px">')[1:]]
+    return [fields(col) for col in text.split('<div class="tinyserve-column"')[1:]]
 
 
 @pytest.mark.parametrize("preset", ["seed", "orca_example"])
@@ -207,10 +205,10 @@ def test_three_policy_stepper_sweeps_every_round(preset):
     assert data_step(stepper.view.value) == 2
 
 
-def test_three_policy_stepper_hand_written_rounds_and_filmstrip():
+def test_three_policy_stepper_hand_written_rounds_and_saved_view():
     runs = three_policies("seed")
     stepper = PolicyStepper(runs["vllm"], runs["orca"], runs["v1"], names=("vllm", "orca", "v1"), budget=10,
-                            draw=False)  # the filmstrip is drawn all the same
+                            draw=False)  # the saved view is drawn all the same
     # Round 2: v0.4 prefills s2 alone while s0 and s1 sit idle; orca and v1 decode s0 and s1.
     stepper.slider.value = 2
     vllm, orca, v1 = columns(stepper.view.value)
@@ -228,12 +226,12 @@ def test_three_policy_stepper_hand_written_rounds_and_filmstrip():
     stepper.slider.value = stepper.slider.max
     vllm, orca, v1 = columns(stepper.view.value)
     assert vllm["finished"] == "s2" and orca == {"orca": "done: every request finished by round 16"}
-    # The saved view: a filmstrip of the first rounds, the preemptions and every run's end.
+    # The key rounds: the first ones, the preemptions and every run's end; the saved view shows the last.
     assert stepper.key_steps() == [0, 1, 2, 3, 6, 15, 17]
     bundle = stepper._repr_mimebundle_()
-    assert base64.b64decode(bundle["image/png"]).startswith(PNG_MAGIC)
+    assert picture(bundle["text/html"])[0].startswith(PNG_MAGIC)
     assert "application/vnd.jupyter.widget-view+json" in bundle
-    assert bundle["text/plain"].startswith("PolicyStepper over 18 rounds (the picture shows round 1, round 2, ")
+    assert bundle["text/plain"] == "▶ run the cell to step through the 18 rounds; the picture shows round 18"
 
 
 def test_policy_stepper_keeps_two_runs_and_refuses_bad_arguments():
@@ -241,7 +239,7 @@ def test_policy_stepper_keeps_two_runs_and_refuses_bad_arguments():
     two = PolicyStepper(runs["orca"], runs["vllm"], draw=False)
     assert two.names == ("orca", "vllm") and len(columns(two.view.value)) == 2
     assert "of" not in fields(two.view.value)["tokens in batch"]  # no budget given, none shown
-    assert two.key_steps() == [0, 1, 2, 3, 14, 16]  # chapter 04's filmstrip, as before
+    assert two.key_steps() == [0, 1, 2, 3, 14, 16]  # chapter 04's key rounds, as before
     per_run = PolicyStepper(runs["orca"], runs["v1"], names=("a", "b"), budget=(64, None), draw=False)
     a, b = columns(per_run.view.value)
     assert a["tokens in batch"].endswith(" of 64") and "of" not in b["tokens in batch"]
@@ -294,7 +292,7 @@ def test_whatif_sweeps_every_control():
             again = int(f["tokens computed again"])
             out_blocks, in_blocks = map(int, f["blocks swapped out / in"].split(" / "))
             ignored = [rid for r in records for rid in r.ignored]
-            assert f["ignored (can never run)"] == (", ".join(ignored) or "—")
+            assert f["ignored (dropped unfinished)"] == dropped_text(records)
             if preemptions == 0:
                 assert again == 0 and out_blocks == in_blocks == 0
             if s.preemption_mode == "recompute":
@@ -310,6 +308,86 @@ def test_whatif_sweeps_every_control():
     assert seen == sum(len(v) for _, v in sweeps)
 
 
+def dropped_text(records) -> str:
+    """What the explorer must say about the requests the scheduler dropped, read off the rounds:
+    one that was in a batch before the round it was dropped in ran; any other never did."""
+    dropped = {rid: r.round for r in records for rid in r.ignored}
+    ran = [rid for rid, when in dropped.items() if any(rid in r.batch for r in records if r.round < when)]
+    never = [rid for rid in dropped if rid not in ran]
+    parts = ([f"{', '.join(ran)} after running: back from preemption, too long for the whole cache"] if ran else []) + (
+        [f"{', '.join(never)} never ran: its prompt is too long"] if never else [])
+    return "; ".join(parts) or "—"
+
+
+def test_whatif_says_the_dropped_requests_ran_as_the_picture_shows():
+    """At 8 blocks (32 tokens) r0–r3 run, get preempted at 33 tokens, and come back by recompute as
+    prompts of 33 tokens: more than the whole cache. The scheduler drops them, after rounds of
+    running, and the view says so (not "can never run"); the picture draws those rounds."""
+    explorer = WhatIfExplorer(draw=False)
+    explorer.gpu_blocks.value = 8
+    records = explorer.outcome.records
+    f = fields(explorer.view.value)
+    assert f["ignored (dropped unfinished)"] == (
+        "r0, r1, r2, r3 after running: back from preemption, too long for the whole cache") == dropped_text(records)
+    assert "never" not in explorer.view.value
+    for rid in ("r0", "r1", "r2", "r3"):
+        rounds_run = sum(rid in r.batch for r in records)
+        assert rounds_run >= 10, f"{rid} ran {rounds_run} rounds before it was dropped"
+    # A prompt over max_model_len (48) is refused at admission: that one never ran.
+    huge = WhatIfExplorer(requests=[*whatif_workload(), sim.Request("huge", 60, 4, 2)], draw=False)
+    f = fields(huge.view.value)
+    assert f["ignored (dropped unfinished)"] == "huge never ran: its prompt is too long" == dropped_text(
+        huge.outcome.records)
+    assert not any("huge" in r.batch for r in huge.outcome.records)
+
+
+def test_whatif_x_axis_stays_fixed_over_every_slider(monkeypatch):
+    """Sweep each control over its whole range: the timeline's x-axis never changes, and every run
+    fits in it. The text area keeps its height. (Each setting is drawn, not rendered to pixels.)"""
+    import io
+
+    from PIL import Image
+
+    from tinyserve.viz import widget_view
+
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 2), "white").save(buf, format="PNG")
+    monkeypatch.setattr(widget_view, "render_png", lambda fig, dpi: buf.getvalue())
+    explorer = WhatIfExplorer()
+    xlim = explorer.figure.axes[-1].get_xlim()
+    assert xlim == (0.5, explorer.max_rounds() + 0.5)
+    longest = 0
+    for control, values in [(explorer.gpu_blocks, sweep_slider(explorer.gpu_blocks)),
+                            (explorer.watermark, sweep_slider(explorer.watermark)),
+                            (explorer.token_budget, sweep_slider(explorer.token_budget)),
+                            (explorer.mode, list(MODES))]:
+        start = control.value
+        for value in values:
+            control.value = value
+            assert explorer.outcome is not None
+            assert [ax.get_xlim() for ax in explorer.figure.axes[:2]] == [xlim, xlim], (control.description, value)
+            assert 'height:7.0em;' in explorer.view.value
+            longest = max(longest, explorer.outcome.rounds)
+        control.value = start
+    assert longest <= explorer.max_rounds() and longest >= 2 * explorer.unconstrained.rounds
+
+
+def test_whatif_axis_holds_random_settings_anywhere_in_the_range():
+    """The axis comes from the edge of the ranges where the cache is smallest; settings drawn at
+    random from the whole range (every control at once) never run longer."""
+    import random
+
+    explorer = WhatIfExplorer(draw=False)
+    limit = explorer.max_rounds()
+    gen = random.Random(34)
+    for _ in range(60):
+        s = explorer.base.but(num_gpu_blocks=gen.choice(sweep_slider(explorer.gpu_blocks)),
+                              watermark=gen.choice(sweep_slider(explorer.watermark)),
+                              max_num_batched_tokens=gen.choice(sweep_slider(explorer.token_budget)),
+                              preemption_mode=gen.choice(list(MODES.values())))
+        assert independent_counts(whatif_workload(), s)[1] <= limit, s
+
+
 def test_whatif_redraws_and_saves():
     explorer = WhatIfExplorer()
     first = picture(explorer.view.value)[0]
@@ -319,9 +397,9 @@ def test_whatif_redraws_and_saves():
     third = picture(explorer.view.value)[0]
     assert len({first, second, third}) == 3
     bundle = explorer._repr_mimebundle_()
-    assert base64.b64decode(bundle["image/png"]).startswith(PNG_MAGIC)
+    assert picture(bundle["text/html"])[0].startswith(PNG_MAGIC)
     assert "application/vnd.jupyter.widget-view+json" in bundle
-    assert bundle["text/plain"].startswith("WhatIfExplorer over 8 requests")
+    assert bundle["text/plain"] == f"▶ run the cell to move the sliders; the picture shows {explorer.outcome.summary()}"
 
 
 def test_whatif_shows_a_refused_setting():
@@ -332,6 +410,46 @@ def test_whatif_shows_a_refused_setting():
     assert "preemptions" in fields(explorer.view.value)
     with pytest.raises(ValueError, match="watermark"):
         explore(whatif_workload(), WhatIfSettings(watermark=1.5))
+
+
+# -- every stepper of the book stays put and fits a laptop's screen -------------------------------
+
+
+def book_steppers():
+    """The steppers as chapters 03, 04 and 13 build them (08's below, with its toggles)."""
+    run = lambda p: sim.simulate(p.requests, p.scheduler_config, p.cache_config)  # noqa: E731
+    seed, ae = three_policies("seed"), three_policies("orca_example")
+    return {
+        "03": lambda: BlockOpsStepper(draw=False),
+        "04": lambda: PolicyStepper(run(presets.orca_example("orca")), run(presets.orca_example("vllm")), draw=False),
+        "13 seed": lambda: PolicyStepper(seed["vllm"], seed["orca"], seed["v1"], names=("vllm", "orca", "v1"),
+                                         budget=budget("seed"), draw=False),
+        "13 A-E": lambda: PolicyStepper(ae["vllm"], ae["orca"], ae["v1"], names=("vllm", "orca", "v1"),
+                                        budget=budget("orca_example"), draw=False),
+    }
+
+
+@pytest.mark.parametrize("name", ["03", "04", "13 seed", "13 A-E"])
+def test_book_steppers_keep_their_layout_at_every_step(name):
+    """BlockOpsStepper's text once took two columns or nine lines depending on the operation, and
+    chapter 13's steppers were 808 and 924 px tall: now every step has one text height that
+    holds its lines, and the whole widget fits in 700 px."""
+    stepper = book_steppers()[name]()
+    assert_stays_put(stepper)
+    assert len({len(stepper.step_columns(i)) for i in range(stepper.num_steps)}) == 1  # columns never come and go
+
+
+def test_kernel_walk_keeps_its_layout_for_every_program():
+    q, k, v, tables, lens, scale = small_batch()
+    stepper = KernelWalkStepper(q, k, v, tables, lens, scale, draw=False)
+    heights = set()
+    for seq in range(len(lens)):
+        stepper.seq_toggle.value = seq
+        for kv_head in range(2):
+            stepper.head_toggle.value = kv_head
+            assert_stays_put(stepper)
+            heights.add(stepper.text_lines())
+    assert len(heights) == 1, "the text area changes height with the program"
 
 
 # -- chapter 08: one program's walk through its blocks -----------------------------------------
@@ -397,7 +515,7 @@ def test_kernel_walk_pictures_follow_the_blocks():
         stepper.next_button.click()
         images.append(picture(stepper.view.value)[0])
     assert len(set(images)) == len(images) == 5
-    assert base64.b64decode(stepper._repr_mimebundle_()["image/png"]).startswith(PNG_MAGIC)
+    assert picture(stepper._repr_mimebundle_()["text/html"])[0].startswith(PNG_MAGIC)
 
 
 def test_kernel_walk_refuses_bad_programs():

@@ -8,14 +8,18 @@ The counts come straight from the round records, independently of how the schedu
   what they need. Without preemption a request costs its prompt once plus one token per later
   output token (``prompt_len + output_len - 1``); recompute-preemption prefills a request's
   tokens again, and everything above that sum is work done twice.
-- ``wasted_tokens``: tokens processed for requests that were refused later (a request that
-  grew beyond what the cache can ever hold is finished as ignored): work thrown away.
+- ``wasted_tokens``: tokens processed for requests that were refused later: work thrown away.
+  A request preempted by recompute comes back as a prompt of all its tokens so far; once that
+  needs more blocks than the whole cache has, the scheduler finishes it as ignored, unfinished,
+  after it ran for rounds (``ran_then_ignored``). Only a prompt too long from the start is
+  ignored without ever running.
 - ``swapped_out_blocks`` / ``swapped_in_blocks``: blocks copied GPU -> CPU and back, read from
   the CPU block tables of the rounds around each swap.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from tinyserve.config import CacheConfig, SchedulerConfig
@@ -60,12 +64,13 @@ class WhatIfOutcome:
     swapped_in_blocks: int
     ignored: list[str] = field(default_factory=list)
     wasted_tokens: int = 0
+    ran_then_ignored: list[str] = field(default_factory=list)  # the ignored that had run first
 
     def summary(self) -> str:
         text = (f"{self.rounds} rounds, {self.preemptions} preemptions, {self.recomputed_tokens} tokens computed "
                 f"again, {self.swapped_out_blocks}/{self.swapped_in_blocks} blocks swapped out/in")
         if self.ignored:
-            text += f", ignored {', '.join(self.ignored)} ({self.wasted_tokens} tokens spent on them)"
+            text += f", dropped {', '.join(self.ignored)} unfinished ({self.wasted_tokens} tokens spent on them)"
         return text
 
 
@@ -74,6 +79,27 @@ def whatif_workload() -> list[Request]:
     rounds 1 to 7. With 4-token blocks they need about 40 GPU blocks to run without preemption."""
     shapes = [(12, 24, 1), (20, 14, 1), (8, 28, 2), (16, 18, 3), (5, 22, 4), (10, 16, 5), (18, 10, 6), (6, 20, 7)]
     return [Request(f"r{i}", p, o, a) for i, (p, o, a) in enumerate(shapes)]
+
+
+_LONGEST: dict[str, int] = {}
+
+
+def longest_run(requests: list[Request], settings: Iterable[WhatIfSettings]) -> int:
+    """The most rounds ``requests`` take under any of ``settings`` (those the configs refuse are
+    skipped). Each question is answered once per process: the what-if explorer asks it for the
+    edge of its sliders' ranges, to fix its x-axis before the reader moves anything."""
+    settings = list(settings)
+    key = repr((requests, settings))
+    if key not in _LONGEST:
+        most = 0
+        for s in settings:
+            try:
+                sched, cache = s.configs()
+            except ValueError:
+                continue
+            most = max(most, len(simulate(list(requests), sched, cache)))
+        _LONGEST[key] = most
+    return _LONGEST[key]
 
 
 def _group_blocks(record: RoundRecord, rid: str) -> int:
@@ -99,4 +125,5 @@ def explore(requests: list[Request], settings: WhatIfSettings) -> WhatIfOutcome:
     # A request swapped in this round held its CPU blocks at the end of the previous round.
     in_blocks = sum(_group_blocks(prev, rid) for prev, r in zip(records, records[1:]) for rid in r.swapped_in)
     return WhatIfOutcome(settings, records, len(records), sum(len(r.preempted) for r in records), again,
-                         out_blocks, in_blocks, ignored, sum(processed[rid] for rid in ignored))
+                         out_blocks, in_blocks, ignored, sum(processed[rid] for rid in ignored),
+                         [rid for rid in ignored if processed[rid] > 0])

@@ -28,11 +28,14 @@ from tinyserve.sim import RoundRecord
 from tinyserve.viz import widget_view as wv
 from tinyserve.viz.rounds import draw_round, request_colors
 
+PLAY_TOOLTIP = "▶ play / ❚❚ pause · ■ stop (back to the start) · ⟲ repeat (loop at the end)"
+
 
 class Stepper(abc.ABC):
     """Controls and one view over steps 1..n. Display it as the last expression of a cell."""
 
     noun = "step"                 # the slider's label, and how the text names a step
+    text_spare_lines = 1          # lines of the text area beyond the longest step's, for values that wrap
     figsize = (9.0, 4.2)          # inches; shown at widget_view.DISPLAY_DPI pixels per inch
 
     def __init__(self, num_steps: int, draw: bool = True, interval_ms: int = 900,
@@ -44,14 +47,19 @@ class Stepper(abc.ABC):
         self._pngs: dict[tuple[int, float], bytes] = {}
         self.slider = widgets.IntSlider(value=1, min=1, max=num_steps, step=1, description=self.noun,
                                         continuous_update=False)
-        self.play = widgets.Play(value=1, min=1, max=num_steps, step=1, interval=interval_ms, description="play")
+        # The Play widget's buttons are bare icons; its tooltip (no description, or the frontend
+        # drops it) names them on hover.
+        self.play = widgets.Play(value=1, min=1, max=num_steps, step=1, interval=interval_ms, tooltip=PLAY_TOOLTIP)
         # A kernel-side link, so Play drives the slider even without a browser in between.
         traitlets.link((self.play, "value"), (self.slider, "value"))
-        self.prev_button = widgets.Button(description="◀ prev", layout=widgets.Layout(width="80px"))
-        self.next_button = widgets.Button(description="next ▶", layout=widgets.Layout(width="80px"))
+        self.prev_button = widgets.Button(description="◀ prev", tooltip=f"the previous {self.noun}",
+                                          layout=widgets.Layout(width="80px"))
+        self.next_button = widgets.Button(description="next ▶", tooltip=f"the next {self.noun}",
+                                          layout=widgets.Layout(width="80px"))
         self.prev_button.on_click(lambda _: self.step(-1))
         self.next_button.on_click(lambda _: self.step(+1))
         self.view = widgets.HTML()
+        self._text_lines: int | None = None
         self.slider.observe(lambda _: self._render(), names="value")
         self.widget = widgets.VBox([*extra_controls,
                                     widgets.HBox([self.play, self.prev_button, self.next_button, self.slider]),
@@ -74,12 +82,25 @@ class Stepper(abc.ABC):
         """Draw step ``index`` (0-based) into the empty matplotlib Figure ``fig``."""
 
     def step_title(self, index: int) -> str:
-        """A few words naming the step (the picture's alt text; the filmstrip's caption)."""
+        """A few words naming the step (the picture's alt text; the saved view's caption)."""
         return f"{self.noun} {index + 1}"
 
+    def text_lines(self) -> int:
+        """The text area's height in lines: the most lines any step's column has, and
+        ``text_spare_lines`` for values that wrap. Every step has it, so the picture stays put."""
+        if self._text_lines is None:
+            most = max(len(col) for i in range(self.num_steps) for col in self.step_columns(i))
+            self._text_lines = most + self.text_spare_lines
+        return self._text_lines
+
     def key_steps(self) -> list[int]:
-        """The steps (0-based) the saved filmstrip shows; the base shows up to nine, evenly."""
+        """The steps (0-based) worth a look; the base takes up to nine, evenly."""
         return wv.pick_steps(self.num_steps, range(self.num_steps))
+
+    def key_frame(self) -> int:
+        """The step (0-based) the saved view shows: the middle one of ``key_steps``."""
+        steps = self.key_steps()
+        return steps[len(steps) // 2]
 
     # -- stepping ----------------------------------------------------------------------------
 
@@ -94,6 +115,7 @@ class Stepper(abc.ABC):
     def reset_steps(self, num_steps: int) -> None:
         """Start over with ``num_steps`` steps (a subclass whose content changed calls this)."""
         self._pngs.clear()
+        self._text_lines = None
         with self.slider.hold_trait_notifications():
             self.play.playing = False
             self.slider.value = 1
@@ -118,22 +140,32 @@ class Stepper(abc.ABC):
         i = self.index
         # Draw first, then publish text and picture in one value: they always show one step.
         png = self.png(i) if self.draw else None
-        self.view.value = wv.step_html(i + 1, self.step_columns(i), png, self.step_title(i))
+        self.view.value = wv.step_html(i + 1, self.step_columns(i), png, self.step_title(i), self.text_lines())
         self.prev_button.disabled = self.slider.value == self.slider.min
         self.next_button.disabled = self.slider.value == self.slider.max
 
     # -- display -----------------------------------------------------------------------------
 
-    def filmstrip_png(self) -> bytes:
-        return wv.filmstrip([self.png(i, wv.FILMSTRIP_DPI) for i in self.key_steps()])
+    def saved_figure(self):
+        """The key frame, drawn for the saved view (``widget_view.legible_png`` makes it legible)."""
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=self.figsize)
+        self.draw_step(self.key_frame(), fig)
+        return fig
+
+    def caption(self) -> str:
+        """The saved view's caption (HTML)."""
+        n, k = self.num_steps, self.key_frame()
+        return (f"<b>▶ run the cell</b> to step through the {n} {self.noun}{'s' if n != 1 else ''}; "
+                f"the picture shows {html.escape(self.step_title(k))}")
 
     def __repr__(self) -> str:
-        shown = ", ".join(self.step_title(i) for i in self.key_steps())
-        return (f"{type(self).__name__} over {self.num_steps} {self.noun}s (the picture shows {shown}); "
-                "run the notebook to step through them")
+        return f"{type(self).__name__} over {self.num_steps} {self.noun}s"
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
-        return wv.saved_bundle(self.widget, self.filmstrip_png(), repr(self), **kwargs)
+        alt = self.step_title(self.key_frame())
+        return wv.saved_bundle(self.widget, wv.legible_png(self.saved_figure()), self.caption(), alt, **kwargs)
 
 
 # -- scheduling rounds --------------------------------------------------------------------------
@@ -206,3 +238,8 @@ class RoundStepper(Stepper):
         events = [i for i, r in enumerate(self.records)
                   if r.preempted or r.swapped_out or r.swapped_in or r.ignored or r.finished or i < 3]
         return wv.pick_steps(len(self.records), events)
+
+    def key_frame(self) -> int:
+        # The first preemption (or swap) is the moment the scheduler's rules show; else the middle.
+        first = next((i for i, r in enumerate(self.records) if r.preempted or r.swapped_out), None)
+        return first if first is not None else super().key_frame()

@@ -48,6 +48,7 @@ class BlockOpsStepper(Stepper):
     (``requests``, ``block_size``, ``num_gpu_blocks``, ``num_cpu_blocks``, ``watermark``)."""
 
     noun = "operation"
+    text_spare_lines = 2  # "what happened" is a sentence; on a narrow page it takes two lines
 
     def __init__(self, script: list[str] | tuple[str, ...] = BLOCK_STORY, draw: bool = True,
                  interval_ms: int = 1200, **manager_kwargs) -> None:

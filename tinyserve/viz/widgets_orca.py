@@ -22,6 +22,9 @@ from tinyserve.viz.style import STATES
 from tinyserve.viz.widget_view import pick_steps
 
 TWO_POLICY_NAMES = ("orca", "vllm")  # chapter 04's order, the default for two runs
+# The drawing's layout, in inches: a request's row (two runs; three or more), a run's title, the
+# margin on top, the round numbers under the last run and the key under them.
+ROW_IN, ROW_IN_MANY, TITLE_IN, TOP_IN, ROUNDS_IN, KEY_IN = 0.27, 0.22, 0.3, 0.05, 0.42, 0.3
 
 
 def chunks_html(record: RoundRecord, ids: Sequence[str]) -> str:
@@ -89,7 +92,13 @@ class PolicyStepper(Stepper):
         self.budgets = tuple(budgets)
         self.ids = request_order([r for run in self.runs for r in run])
         n = max(len(run) for run in self.runs)
-        self.figsize = (max(7.5, 0.34 * n + 3.0), len(self.runs) * (0.3 * len(self.ids) + 1.0) + 0.6)
+        # Inches: one row per request (and the batch-size row), a title over each run, the round
+        # numbers and the key once at the bottom. Three runs of five requests stay within a
+        # laptop's screen together with the controls and the text (the browser test: 700 px).
+        self.row_in = ROW_IN if len(self.runs) == 2 else ROW_IN_MANY
+        self.axes_in = self.row_in * (len(self.ids) + 0.9)
+        self.figsize = (max(7.5, 0.34 * n + 3.0),
+                        len(self.runs) * (self.axes_in + TITLE_IN) + TOP_IN + ROUNDS_IN + KEY_IN)
         super().__init__(n, draw=draw, interval_ms=interval_ms)
 
     def step_columns(self, index: int) -> list[list[tuple[str, str]]]:
@@ -97,7 +106,7 @@ class PolicyStepper(Stepper):
                 for name, run, budget in zip(self.names, self.runs, self.budgets)]
 
     def draw_step(self, index: int, fig) -> None:
-        axes = fig.subplots(len(self.runs), 1)
+        axes = fig.subplots(len(self.runs), 1, sharex=True)
         for ax, name, run in zip(axes, self.names, self.runs):
             shown = run[:index + 1]
             done = len(run) <= index + 1
@@ -109,6 +118,9 @@ class PolicyStepper(Stepper):
                           fontsize=8)
             ax.set_ylim(len(self.ids), -0.9)
             ax.set_yticks([i + 0.5 for i in range(len(self.ids))], self.ids)
+            if ax is not axes[-1]:  # one axis of rounds, at the bottom: the runs share it
+                ax.set_xlabel("")
+                ax.tick_params(labelbottom=False)
             if not done:
                 ax.add_patch(_frame(index, len(self.ids)))
         used = {s for run in self.runs for st in request_states(run) for s in st.values()}
@@ -117,12 +129,16 @@ class PolicyStepper(Stepper):
         handles = [Rectangle((0, 0), 1, 1, facecolor=STATES[s][0]) for s in STATES if s in used]
         fig.legend(handles, [STATES[s][1].split(" (")[0] for s in STATES if s in used], loc="lower center",
                    ncol=len(handles), fontsize=7, frameon=False)
-        bottom = 0.12 if len(self.runs) == 2 else 0.09
-        fig.subplots_adjust(left=0.07, right=0.99, top=0.93 if len(self.runs) == 2 else 0.95, bottom=bottom,
-                            hspace=0.55 if len(self.runs) == 2 else 0.75)
+        height = fig.get_figheight()
+        fig.subplots_adjust(left=0.07, right=0.99, top=1 - (TOP_IN + TITLE_IN) / height,
+                            bottom=(ROUNDS_IN + KEY_IN) / height, hspace=TITLE_IN / self.axes_in)
 
     def step_title(self, index: int) -> str:
         return f"round {index + 1}"
+
+    def key_frame(self) -> int:
+        # The saved view shows the last round: every run's whole timeline, side by side.
+        return self.num_steps - 1
 
     def key_steps(self) -> list[int]:
         # The first rounds, where the policies part ways, each run's first preemption, and the
