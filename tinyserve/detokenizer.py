@@ -75,7 +75,7 @@ def _prompt_context(tokenizer, prompt: list[int], skip_special_tokens: bool) -> 
     """The last ``INITIAL_CONTEXT_TOKENS`` prompt tokens and their text, or up to
     ``MAX_CHAR_TOKENS`` more: a window that begins inside a character decodes to U+FFFD there,
     and a byte-fallback decoder (SentencePiece's <0xXX> tokens) then writes U+FFFD for the whole
-    run of bytes, characters that the output would extend included. None if no start works."""
+    run of bytes, characters that the output would extend included. Empty if no start works."""
     first = len(prompt) - INITIAL_CONTEXT_TOKENS
     for start in range(first, first - MAX_CHAR_TOKENS - 1, -1):
         tail = prompt[max(start, 0):]
