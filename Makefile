@@ -11,7 +11,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-dev.txt Makefile
+$(STAMP): requirements.txt requirements-dev.txt Makefile jupyter/jupyter_server_config.d/tinyserve.json
 	test -x $(PY) || python3 -m venv $(VENV)
 	# Without a CUDA GPU, take the CPU build of torch that lies on this machine's disk.
 	if [ "$(HAS_GPU)" = "0" ]; then $(PY) -m pip install -q torch==2.13.0; fi
@@ -22,6 +22,11 @@ $(STAMP): requirements.txt requirements-dev.txt Makefile
 	# (tests/v04_oracle.py), so none of its CUDA dependencies are wanted.
 	$(PY) -m pip install -q --no-deps vllm==0.4.0
 	$(PY) -m pip install -q --no-deps -e .
+	# The .venv's Jupyter server (make lab, or jupyter lab started from .venv) loads the server
+	# extension in tinyserve/viz/widget_view.py: saving a notebook drops its widget views, so a
+	# chapter reopened without its kernel shows each widget's saved picture, not "model not found".
+	install -D -m 644 jupyter/jupyter_server_config.d/tinyserve.json \
+		$(VENV)/etc/jupyter/jupyter_server_config.d/tinyserve.json
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -111,7 +116,7 @@ browser-test: $(STAMP)
 	$(VENV)/bin/ruff check browser_tests
 	$(PY) -m pytest -q -s -p no:cacheprovider --timeout=3600 browser_tests
 
-# Refresh the README's widget screenshot from a browser run of chapter 05 (the only target that writes it).
+# Refresh docs/widgets.md's screenshot from a browser run of chapter 05 (the only target that writes it).
 screenshot: $(STAMP)
 	TINYSERVE_README_SCREENSHOT=$(CURDIR)/docs/widget_whatif.png \
 		$(PY) -m pytest -q -s -p no:cacheprovider --timeout=3600 browser_tests -k 05_

@@ -153,7 +153,7 @@ def browser(tmp_path_factory):
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}",
-                 "--window-size=1500,1100", "--force-device-scale-factor=1"):
+                 "--window-size=1400,1000", "--force-device-scale-factor=1"):
         opts.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     driver.set_script_timeout(60)
@@ -197,12 +197,39 @@ def click_menu(driver, menu: str, command: str) -> None:
 
 
 def view_state(widget) -> dict:
-    """What one widget shows: its text, the step its view is on, the picture's alt and sizes."""
+    """What one widget shows: its text, the step its view is on, the picture's alt and sizes, and
+    where the picture sits in the widget (``at``: its box's top and left, in CSS pixels from the
+    widget's own)."""
     return widget.parent.execute_script("""
         const w = arguments[0], step = w.querySelector('.tinyserve-step'), img = w.querySelector('.tinyserve-step img');
+        const box = w.getBoundingClientRect(), pic = img ? img.getBoundingClientRect() : null;
         return {text: step ? step.innerText : w.innerText, step: step ? step.dataset.step : null,
                 alt: img ? img.alt : null, natural: img ? img.naturalWidth : 0, shown: img ? img.clientWidth : 0,
-                complete: img ? img.complete : true};""", widget)
+                complete: img ? img.complete : true,
+                at: pic ? [Math.round(pic.top - box.top), Math.round(pic.left - box.left)] : null};""", widget)
+
+
+MAX_WIDGET_HEIGHT = 700  # CSS pixels: a widget, controls and picture, fits a laptop's screen (1400 x 1000 here)
+
+
+def assert_stays_put(before: dict, after: dict, what: str) -> None:
+    """The picture did not move inside its widget (text areas of a fixed height above it)."""
+    if before["at"] is not None and after["at"] is not None:
+        assert after["at"] == before["at"], f"{what} moved the picture from {before['at']} to {after['at']}"
+
+
+def check_fits_and_names_its_buttons(widget, what: str) -> int:
+    """The widget is at most MAX_WIDGET_HEIGHT tall, and every button says what it does: its own
+    text, or a tooltip (a title on it or on the control it belongs to). Returns the height."""
+    height, unnamed = widget.parent.execute_script("""
+        const w = arguments[0];
+        const unnamed = Array.from(w.querySelectorAll('button')).filter(b => !b.innerText.trim()
+            && !(b.closest('[title]') && w.contains(b.closest('[title]')))).map(b => b.outerHTML.slice(0, 120));
+        return [w.getBoundingClientRect().height, unnamed];""", widget)
+    print(f"\n{what}: {height:.0f} px tall")
+    assert height <= MAX_WIDGET_HEIGHT, f"{what} is {height:.0f} px tall (at most {MAX_WIDGET_HEIGHT})"
+    assert not unnamed, f"{what}: buttons with neither text nor a tooltip: {unnamed}"
+    return round(height)
 
 
 def screenshot(widget, path: Path) -> bytes:
@@ -259,6 +286,7 @@ def work_stepper(driver, widget, out: Path) -> None:
     second = wait_change(widget, first, "next to change the view")
     assert second["step"] == "2"
     assert_consistent(second)
+    assert_stays_put(first, second, "next")
     shot1 = screenshot(widget, out.with_name(out.name + "-2.png"))
     assert pixels_differ(shot0, shot1) > 500, "next changed the text but not the pixels"
     buttons["◀ prev"].click()
@@ -270,6 +298,7 @@ def work_stepper(driver, widget, out: Path) -> None:
     last = wait_change(widget, back, "the slider's End key to change the view")
     assert int(last["step"]) > 2
     assert_consistent(last)
+    assert_stays_put(first, last, "the slider's End key")
     handle.send_keys(Keys.HOME)
     wait_for(lambda: view_state(widget)["step"] == "1", 60, "the slider's Home key")
     # Play: every view seen while it runs shows one step in text and picture alike.
@@ -280,6 +309,7 @@ def work_stepper(driver, widget, out: Path) -> None:
     while time.time() < deadline and len(seen) < 4:
         state = view_state(widget)
         assert_consistent(state)
+        assert_stays_put(first, state, "play")
         seen.add(state["step"])
         time.sleep(0.15)
     widget.find_elements(By.CSS_SELECTOR, ".widget-play button")[1].click()  # pause
@@ -314,6 +344,7 @@ def work_toggles(driver, widget, out: Path) -> None:
             option.click()
             after = wait_change(widget, before, f"toggle {option.text!r} to change the view")
             assert_consistent(after)
+            assert_stays_put(before, after, f"toggle {option.text!r}")
         screenshot(widget, out.with_name(f"{out.name}-toggles{g}.png"))
         options[0].click()
         time.sleep(1)
@@ -330,8 +361,89 @@ def work_sliders(driver, widget, out: Path) -> None:
         handle.send_keys(Keys.HOME if k == 0 else Keys.END)
         after = wait_change(widget, before, f"slider {k} to change the view")
         assert_consistent(after)
+        assert_stays_put(before, after, f"slider {k}")
         shot1 = screenshot(widget, out.with_name(f"{out.name}-slider{k}-b.png"))
         assert pixels_differ(shot0, shot1) > 500
+
+
+# -- the second session --------------------------------------------------------------------------------
+
+FALLBACK_WIDTH = 900  # CSS pixels: the widest a widget's saved picture is shown (tinyserve.viz.widget_view)
+
+
+def shut_down_kernels(base: str, token: str) -> None:
+    for session in json.load(urllib.request.urlopen(f"{base}/api/sessions?token={token}")):
+        req = urllib.request.Request(f"{base}/api/sessions/{session['id']}?token={token}", method="DELETE")
+        urllib.request.urlopen(req)
+
+
+def saved_notebook(base: str, token: str, name: str) -> dict:
+    """The notebook as the server has it on disk (its contents API)."""
+    return json.load(urllib.request.urlopen(f"{base}/api/contents/{name}?content=1&token={token}"))
+
+
+def saved_views(driver) -> list[dict]:
+    """Every widget's saved view on the page: its caption and its picture's sizes."""
+    return driver.execute_script("""
+        return Array.from(document.querySelectorAll(
+            '.jp-NotebookPanel:not(.lm-mod-hidden) .tinyserve-fallback')).map(f => {
+          const img = f.querySelector('img'), cap = f.querySelector('.tinyserve-caption');
+          return {caption: cap ? cap.innerText : '', caption_shown: cap ? cap.offsetHeight > 0 : false,
+                  natural: img ? img.naturalWidth : 0, shown: img ? img.clientWidth : 0,
+                  css: img ? Number(img.getAttribute('width')) : 0, complete: img ? img.complete : false};
+        });""")
+
+
+def open_saved(driver, base: str, token: str, name: str, widgets: int, shot: Path) -> list[dict]:
+    """Open a saved notebook in a fresh page (no widget model left in the browser), check that
+    no widget shows an error and each of its ``widgets`` its saved view, and return those views."""
+    from selenium.webdriver.common.by import By
+
+    driver.get(f"{base}/lab/workspaces/{shot.stem}/tree/{name}?token={token}")
+    wait_for(lambda: len(prompts(driver)) > 0, 120, f"{name} to open")
+    # A widget view without its model shows its error only once the new kernel is connected.
+    wait_for(lambda: len(saved_views(driver)) + page_text(driver).count("Error displaying widget") >= widgets,
+             90, f"{name}'s outputs to render")
+    time.sleep(1)  # any widget output still to render
+    driver.save_screenshot(str(shot))
+    text, views = page_text(driver), saved_views(driver)
+    for k, view in enumerate(driver.find_elements(By.CSS_SELECTOR, ".jp-NotebookPanel:not(.lm-mod-hidden) "
+                                                                   ".tinyserve-fallback"), start=1):
+        screenshot(view, shot.with_name(f"{shot.stem}-view{k}.png"))
+    errors = text.count("Error displaying widget")
+    print(f"\n{name}: {errors} widget error(s) on reopen, {len(views)} saved view(s)")
+    assert errors == 0 and "model not found" not in text, f"{name}: reopened, {errors} widget(s) show an error"
+    assert len(views) == widgets, f"{name}: {len(views)} of {widgets} saved views: {views}"
+    for view in views:
+        assert view["caption_shown"] and view["caption"].startswith("▶ run the cell"), view
+        assert view["complete"] and view["natural"] > 0, f"{name}: the saved picture did not load: {view}"
+        # Shown at the size it was drawn for (text at least 8 pt at 900 px), never stretched.
+        assert min(view["css"], FALLBACK_WIDTH) - 1 <= view["shown"] <= view["natural"], view
+    return views
+
+
+def reopen_saved(driver, base: str, token: str, name: str, shots: Path) -> None:
+    """What a reader meets the next day: the chapter was run and saved, the kernel shut down, the
+    notebook opened again. No widget may show an error; each shows its saved view instead, one
+    key frame at a legible size with a visible caption saying to run the cell. The same file
+    unsigned, as a fresh clone's committed chapter is (JupyterLab sanitizes its HTML), as well."""
+    stamp = saved_notebook(base, token, name)["last_modified"]
+    click_menu(driver, "File", "docmanager:save")
+    wait_for(lambda: saved_notebook(base, token, name)["last_modified"] != stamp, 60, f"{name} to be saved")
+    content = saved_notebook(base, token, name)["content"]
+    assert "application/vnd.jupyter.widget-view+json" not in json.dumps(content), f"{name}: saved with widget views"
+    shut_down_kernels(base, token)
+    try:
+        open_saved(driver, base, token, name, expected_widgets(name), shots / f"{Path(name).stem}-reopened.png")
+        for cell in content["cells"]:
+            cell["metadata"].pop("trusted", None)  # not signed on saving: untrusted, as in a fresh clone
+        unsigned = f"{Path(name).stem}-unsigned.ipynb"
+        req = urllib.request.Request(f"{base}/api/contents/{unsigned}?token={token}", method="PUT",
+                                     data=json.dumps({"type": "notebook", "content": content}).encode())
+        urllib.request.urlopen(req)
+        open_saved(driver, base, token, unsigned, expected_widgets(name), shots / f"{Path(name).stem}-unsigned.png")
+    finally:
+        shut_down_kernels(base, token)  # the kernels the reopened notebooks started
 
 
 # -- the test ------------------------------------------------------------------------------------------
@@ -387,6 +499,7 @@ def test_chapter_in_jupyterlab(name, lab, browser, shots):
         problems + [f"{name}: {len(widgets)} of {expected_widgets(name)} widgets shown"])
     for k, widget in enumerate(widgets, start=1):
         out = shots / f"{Path(name).stem}-widget{k}"
+        check_fits_and_names_its_buttons(widget, f"{name} widget {k}")
         kinds = widget.find_elements(By.CSS_SELECTOR, ".widget-play")
         if widget.find_elements(By.CSS_SELECTOR, ".widget-toggle-buttons"):
             work_toggles(driver, widget, out)
@@ -395,11 +508,9 @@ def test_chapter_in_jupyterlab(name, lab, browser, shots):
             work_stepper(driver, widget, out)
         else:
             work_sliders(driver, widget, out)
-    # Leave nothing running for the next chapter.
-    for session in json.load(urllib.request.urlopen(f"{base}/api/sessions?token={token}")):
-        req = urllib.request.Request(f"{base}/api/sessions/{session['id']}?token={token}", method="DELETE")
-        urllib.request.urlopen(req)
     worked_s = time.time() - start - ran_s
+    # Saved, shut down and opened again (this also leaves nothing running for the next chapter).
+    reopen_saved(driver, base, token, name, shots)
     print(f"\n{name}: ran all cells in {ran_s:.0f} s, worked {len(widgets)} widget(s) in {worked_s:.0f} s")
     readme_shot = os.environ.get("TINYSERVE_README_SCREENSHOT")
     if readme_shot and name.startswith("05_"):  # the what-if explorer as it first appears

@@ -1,5 +1,9 @@
 """Execute chapter notebooks in place (``make book``): outputs kept, widget state stripped.
 
+A widget's committed output is its saved view (``tinyserve.viz.widget_view``): one key frame
+under a caption, which JupyterLab, nbviewer and GitHub show; the live view, whose model dies with
+the kernel, is dropped, as the .venv's Jupyter server drops it whenever a reader saves.
+
 Usage: python scripts/run_book.py chapters/01_kv_cache.ipynb [...]
 """
 
@@ -14,17 +18,14 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+from tinyserve.viz.widget_view import drop_widget_views
 
 
-def strip_widget_state(nb: nbformat.NotebookNode) -> None:
-    """Saved widget models go stale the moment the kernel stops; keep only their text fallback."""
+def strip_widget_state(nb: nbformat.NotebookNode) -> int:
+    """Saved widget models go stale the moment the kernel stops; keep only the saved views.
+    Returns how many widget views were dropped."""
     nb.metadata.pop("widgets", None)
-    for cell in nb.cells:
-        for out in cell.get("outputs", []):
-            data = out.get("data")
-            if data and WIDGET_MIME in data:
-                del data[WIDGET_MIME]
+    return drop_widget_views(nb)
 
 
 def execute(path: Path, timeout: int = 600) -> float:
