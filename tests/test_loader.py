@@ -165,7 +165,7 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(default_model, "find_gguf", lambda: tmp_path / "fake.gguf")
 
-    def crash(gguf, out):
+    def crash(gguf, out, progress):
         (out / "model.safetensors").write_text("half written")
         raise KeyboardInterrupt
 
@@ -179,7 +179,7 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
     (tmp_path / "smollm2-135m").mkdir()
     (tmp_path / "smollm2-135m" / "junk").write_text("x")
 
-    def convert(gguf, out):
+    def convert(gguf, out, progress):
         (out / "tinyserve.json").write_text(json.dumps({"format": default_model.CONVERSION_FORMAT}))
 
     monkeypatch.setattr(default_model, "_convert_gguf", convert)
