@@ -276,12 +276,8 @@ class SourceView(_Listing):
         return f"{self._where()} · {self._stage()}"
 
 
-def show(obj: object, chapter: int | None = _UNSET) -> SourceView:  # type: ignore[assignment]
-    """Show the source of ``obj`` (a function, class, method or module) as chapter ``chapter``
-    builds it: later chapters' marked blocks fold into one line each. Without ``chapter`` the
-    notebook's (``set_chapter``) is used. In a notebook it is displayed at once, so every call
-    of a cell appears; the returned view has ``code`` and a plain-text ``repr``."""
-    view = SourceView(obj, current_chapter() if chapter is _UNSET else chapter)
+def _displayed(view):
+    """``view``, displayed first when a notebook's kernel runs this (outside one, only returned)."""
     try:
         from IPython import get_ipython
     except ImportError:
@@ -289,6 +285,15 @@ def show(obj: object, chapter: int | None = _UNSET) -> SourceView:  # type: igno
     if get_ipython() is not None:
         view._ipython_display_()
     return view
+
+
+def show(obj: object, chapter: int | None = _UNSET) -> SourceView:  # type: ignore[assignment]
+    """Show the source of ``obj`` (a function, class, method or module) as chapter ``chapter``
+    builds it: later chapters' marked blocks fold into one line each. Without ``chapter`` the
+    notebook's (``set_chapter``) is used. In a notebook it is displayed at once, so every call
+    of a cell appears; the returned view has ``code`` and a plain-text ``repr``."""
+    view = SourceView(obj, current_chapter() if chapter is _UNSET else chapter)
+    return _displayed(view)
 
 
 class SolutionView(_Listing):
@@ -323,10 +328,4 @@ def show_solution(path: str, name: str) -> SolutionView:
     the notebook: ``"solutions/ch02.py"``) as ``show`` shows the package's code. In a notebook it
     is displayed at once; the returned view has ``code`` and a plain-text ``repr``."""
     view = SolutionView(path, name)
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return view
-    if get_ipython() is not None:
-        view._ipython_display_()
-    return view
+    return _displayed(view)
