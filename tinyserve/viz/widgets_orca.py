@@ -24,7 +24,7 @@ from tinyserve.viz.widget_view import pick_steps
 TWO_POLICY_NAMES = ("orca", "vllm")  # chapter 04's order, the default for two runs
 # The drawing's layout, in inches: a request's row (two runs; three or more), a run's title, the
 # margin on top, the round numbers under the last run and the key under them.
-ROW_IN, ROW_IN_MANY, TITLE_IN, TOP_IN, ROUNDS_IN, KEY_IN = 0.27, 0.22, 0.3, 0.05, 0.42, 0.3
+ROW_IN, ROW_IN_MANY, TITLE_IN, TOP_IN, ROUNDS_IN, KEY_IN = 0.27, 0.22, 0.3, 0.05, 0.42, 0.34
 
 
 def chunks_html(record: RoundRecord, ids: Sequence[str]) -> str:
@@ -127,8 +127,10 @@ class PolicyStepper(Stepper):
         from matplotlib.patches import Rectangle
 
         handles = [Rectangle((0, 0), 1, 1, facecolor=STATES[s][0]) for s in STATES if s in used]
-        fig.legend(handles, [STATES[s][1].split(" (")[0] for s in STATES if s in used], loc="lower center",
-                   ncol=len(handles), fontsize=7, frameon=False)
+        # One row of short names (the figures' key explains each state at length), large enough
+        # to read at the size the widget shows its picture.
+        fig.legend(handles, [STATES[s][1].split(" (")[0].split(":")[0] for s in STATES if s in used],
+                   loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
         height = fig.get_figheight()
         fig.subplots_adjust(left=0.07, right=0.99, top=1 - (TOP_IN + TITLE_IN) / height,
                             bottom=(ROUNDS_IN + KEY_IN) / height, hspace=TITLE_IN / self.axes_in)
