@@ -32,6 +32,7 @@ import json
 import linecache
 import os
 import re
+from abc import ABC, abstractmethod
 
 from tinyserve.lab.solution_source import definition_span
 from tinyserve.viz.markers import Block, parse_markers
@@ -142,7 +143,7 @@ def _display_once(view) -> None:
     display(data, raw=True, metadata=metadata)
 
 
-class _Listing:
+class _Listing(ABC):
     """What a listing and a solution share: plain text for a terminal, highlighted HTML with an
     id in the output's metadata (``_key``) for Jupyter, by which tests render it again."""
 
@@ -152,14 +153,17 @@ class _Listing:
     rows: list[tuple[int, str, bool]]
     last_line: int
 
+    @abstractmethod
     def header(self) -> str:
-        raise NotImplementedError
+        """The first line of the plain-text view."""
 
+    @abstractmethod
     def _ident(self) -> dict:
-        raise NotImplementedError
+        """What the view shows, enough to render it again (the output's metadata under ``_key``)."""
 
+    @abstractmethod
     def _subtitle(self) -> str:
-        raise NotImplementedError
+        """Where the code comes from, under the title of the HTML view."""
 
     def __repr__(self) -> str:
         return f"{self.header()}\n{self.code}"
