@@ -12,10 +12,11 @@ import pytest
 
 from tinyserve import workspace as ws
 from tinyserve.workspace.capstone import workloads
+from tinyserve.workspace.so_far import _engine_run
 
 SOLUTIONS = Path(__file__).resolve().parents[1] / "chapters" / "solutions"
 PARTS = {"allocator", "block_manager", "orca_round", "scheduler_round", "cache_engine", "attention",
-         "input_builder", "sampler"}
+         "input_builder", "sampler", "engine_step"}
 
 
 @pytest.fixture
@@ -42,6 +43,15 @@ def test_with_the_solutions_saved_every_part_is_the_readers_and_the_tokens_the_p
     result = ws.capstone(tiny_loaded, quiet=True)
     assert set(result.report.yours()) >= PARTS, result.report
     assert result.ok, result.problems
+    # Every part of the reader's served calls (measured, not assumed): the steps are the reader's,
+    # one per round of the three runs, and the Orca workload's rounds are the reader's orca_round's.
+    written = json.loads((workspace / "capstone.json").read_text())
+    assert set(written["served"]) >= PARTS and all(written["calls"][name] > 0 for name in PARTS), written["calls"]
+    package_rounds = {name: len(_engine_run(ws.build_engine(tiny_loaded, preset=preset, chapter=0)[0], preset)[1])
+                      for name, preset in workloads().items()}
+    assert written["calls"]["engine_step"] == sum(package_rounds.values())
+    assert written["calls"]["orca_round"] == package_rounds["s0/s1/s2, Orca"]
+    assert f"your engine_step ran {written['calls']['engine_step']} steps" in written["said"]
 
 
 def test_a_wrong_part_is_caught_and_named(workspace, tiny_loaded, capsys):

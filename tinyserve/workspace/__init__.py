@@ -18,6 +18,7 @@ assembly plugs in:
     decode_kernel    decode_kernel.py     paged_decode         08       the Triton backend's decode (chapter 08)
     input_builder    input_builder.py     prepare_inputs       09       LLMEngine(prepare_inputs=)
     sampler          sampler.py           Sampler              09       LLMEngine(sampler=)
+    engine_step      engine_step.py       LLMEngine            09       build_engine's engine class (step, execute)
     parallel_mlp     parallel_mlp.py      ParallelMLP          10       the tensor-parallel MLP (chapter 10)
     v1_round         v1_round.py          Scheduler            13       LLMEngine(scheduler=) (policy="v1")
 
@@ -25,13 +26,18 @@ A class named ``AttentionBackend`` or ``Sampler`` is instantiated (``Sampler(see
 of that name is used as it is. ``can_admit`` and ``choose_victim`` may be functions or callable
 objects; ``BlockAllocator`` and ``CacheEngine`` are classes (or factories) called with the
 package's constructor arguments; ``BlockSpaceManager`` and ``Scheduler`` are classes with the
-package's constructors (a subclass of the package's class is the usual answer).
+package's constructors (subclasses of the package's: ``load`` refuses any other).
 
 - ``%%workspace <component>`` (a cell magic: ``%load_ext tinyserve.workspace`` or
-  ``register_magic()``) runs the cell, runs the component's checker on it, and if it passed,
-  saves its source as the component's module;
+  ``register_magic()``) runs the cell, runs the component's checker on it with the package's
+  own implementation of the component unavailable (``tinyserve.exercises.guard``), and if it
+  passed, saves its source as the component's module, the object checked as the answer
+  (helpers and imports beside it are saved with it);
   ``save(component, source_or_object)`` does the same from code (``store``).
-- ``load(component)`` imports the reader's module afresh and returns the object, or None.
+- ``load(component)`` imports the reader's module afresh and returns the object, or None. Any
+  exception while it is imported (``SystemExit`` and ``KeyboardInterrupt`` too), the package's
+  own object under the reader's name, one of the wrong kind or signature, and any change the
+  module made to tinyserve (undone) are reported, naming the component (``intake``).
 - ``build_scheduler(...)`` and ``build_engine(...)`` assemble a scheduler (no model) or an engine
   from the reader's parts, the package's for the rest, with a report of whose each part is
   (``assemble``).

@@ -10,7 +10,11 @@ through ``LLMEngine(scheduler=)`` in the engine;
 the cache engine and the input builder through ``LLMEngine(cache_engine=, prepare_inputs=)``
 (given to the Worker), attention through ``attention_backend=<object>`` and the sampler through
 ``LLMEngine(sampler=)``. Chapter 08's decode kernel and chapter 10's parallel MLP run in their
-own chapters' engines (a Triton backend, two ranks), not here.
+own chapters' engines (a Triton backend, two ranks), not here. Chapter 09's ``engine_step``, an
+``LLMEngine`` subclass with the reader's ``step`` and ``execute``, is the engine's class itself.
+
+Every part of the reader's goes in wrapped by a ``contain.Tracker`` (``tracker=``, else a fresh
+one): the report counts the calls each part served, and checks what it returned (``served``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from tinyserve.block_manager import BlockSpaceManager, V04BlockSpaceManager
 from tinyserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from tinyserve.engine import LLMEngine
 from tinyserve.scheduler import Scheduler, make_block_manager
+from tinyserve.workspace.contain import Tracker, track, track_factory, track_schedule
+from tinyserve.workspace.served import NOT_COUNTED, SERVED
 from tinyserve.workspace.store import COMPONENTS, load
 
 YOURS, PACKAGES = "yours", "package's"
@@ -32,37 +38,86 @@ YOURS, PACKAGES = "yours", "package's"
 # chapters 02-12 and the capstone read as they did before it existed.
 LATER_PARTS = ("v1_round",)
 SCHEDULER_PARTS = ("allocator", "block_manager", "admission", "orca_round", "scheduler_round", "victim") + LATER_PARTS
-ENGINE_PARTS = SCHEDULER_PARTS[:-len(LATER_PARTS)] + ("cache_engine", "attention", "input_builder", "sampler") \
-    + LATER_PARTS
+ENGINE_PARTS = SCHEDULER_PARTS[:-len(LATER_PARTS)] + ("cache_engine", "attention", "input_builder", "sampler",
+                                                      "engine_step") + LATER_PARTS
 ROUND_PARTS = ("scheduler_round", "orca_round", "v1_round")  # Scheduler subclasses, joined in this order
 
 
 class Report(dict):
     """``{component: "yours" | "package's"}`` in the book's order, with ``notes`` on parts that were
-    written but could not be used (and why)."""
+    written but could not be used (and why), and ``calls``: how much each of the reader's parts
+    served in the run it was built for (``served``). Once a run has ``measured`` them, the text
+    says the counts, and a part of the reader's that served nothing is not called one of its parts."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.notes: list[str] = []
+        self.calls: dict[str, int] = {}  # the tracker's counts, filled in as the run goes
+        self.policies: list[str] = []  # the scheduler policies the run used
+        self.measured = False
 
     def yours(self) -> list[str]:
+        """The reader's parts built into the engine (whether or not the run called them)."""
         return [name for name, whose in self.items() if whose == YOURS]
 
+    def served(self) -> list[str]:
+        """The reader's parts that served at least one call in the run (all of them until measured)."""
+        return [name for name in self.yours() if not self.measured or self.calls.get(name, 0) > 0]
+
+    def said(self) -> list[str]:
+        """One line per part of the reader's: what it served ("your orca_round ran 16 rounds")."""
+        lines = []
+        for name in self.yours():
+            served = SERVED.get(name, NOT_COUNTED)
+            n = self.calls.get(name, 0)
+            if n:
+                lines.append(f"your {name} {served.says(n)}")
+                continue
+            why = ""
+            if served.policy and served.policy not in self.policies:
+                why = f": {'these workloads use' if len(self.policies) > 1 else 'this workload uses'} " \
+                      + " and ".join(f"policy={p!r}" for p in self.policies)
+            lines.append(f"your {name} is saved but {served.says(0)} here{why}")
+        return lines
+
     def __str__(self) -> str:
-        mine = ", ".join(self.yours()) or "none yet"
+        mine = ", ".join(self.served()) or ("none yet" if not self.yours() else "none that served here")
         theirs = ", ".join(n for n, w in self.items() if w != YOURS) or "none"
-        return "\n".join([f"your parts: {mine}", f"the package's: {theirs}"] + [f"  note: {n}" for n in self.notes])
+        said = [f"  {line}" for line in self.said()] if self.measured else []
+        return "\n".join([f"your parts: {mine}"] + said + [f"the package's: {theirs}"]
+                         + [f"  note: {n}" for n in self.notes])
+
+    @classmethod
+    def combined(cls, reports: list[Report]) -> Report:
+        """One report for several runs on the same parts: their calls added up."""
+        if not reports:
+            return cls()
+        total = cls(reports[0])
+        for report in reports:
+            total.notes += [n for n in report.notes if n not in total.notes]
+            total.policies += [p for p in report.policies if p not in total.policies]
+            for name, n in report.calls.items():
+                total.calls[name] = total.calls.get(name, 0) + n
+        total.measured = all(r.measured for r in reports)
+        return total
 
 
-def _gather(names: tuple[str, ...], chapter: int | None, strict: bool) -> tuple[dict, Report]:
-    """Load each named component the reader has written (up to ``chapter``'s, if given)."""
+def _gather(names: tuple[str, ...], chapter: int | None, strict: bool,
+            tracker: Tracker) -> tuple[dict, Report]:
+    """Load each named component the reader has written (up to ``chapter``'s, if given), each
+    wrapped by ``tracker``, which the report's calls count on."""
     parts, report = {}, Report()
+    report.calls = tracker.counts
+    tracker.report = report
     for name in names:
         obj = None
         if chapter is None or COMPONENTS[name].chapter <= chapter:
-            obj = load(name, strict=strict)
+            with tracker.running(name, "import"):
+                obj = load(name, strict=strict)
         if obj is not None:
-            parts[name] = obj
+            # The parts the package constructs are tracked through whatever makes them.
+            parts[name] = (track_factory if name in ("allocator", "block_manager", "cache_engine") else track)(
+                tracker, name, obj)
         if name in LATER_PARTS and obj is None and (chapter is None or COMPONENTS[name].chapter > chapter):
             continue
         report[name] = YOURS if obj is not None else PACKAGES
@@ -101,8 +156,9 @@ def _round_class(parts: dict, report: Report) -> type:
 
 
 def _scheduler(parts: dict, report: Report, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-               cls: type | None = None) -> Scheduler:
-    """A Scheduler with the reader's parts in ``parts`` (the package's for the others)."""
+               tracker: Tracker, cls: type | None = None) -> Scheduler:
+    """A Scheduler with the reader's parts in ``parts`` (the package's for the others), whose
+    rounds ``tracker`` counts."""
     cc = cache_config
     allocator, manager_cls = parts.get("allocator"), parts.get("block_manager")
     if manager_cls is not None and cc.enable_prefix_caching and not hasattr(manager_cls, "num_cached_tokens"):
@@ -126,8 +182,11 @@ def _scheduler(parts: dict, report: Report, scheduler_config: SchedulerConfig, c
             manager = manager_cls(cc.block_size, cc.num_gpu_blocks, cc.num_cpu_blocks, cc.watermark,
                                   allocator=allocator)
     cls = cls or _round_class(parts, report)
-    return cls(scheduler_config, cache_config, block_manager=manager or make_block_manager(cc, scheduler_config.compat),
-               choose_victim=parts.get("victim"), can_admit=parts.get("admission"))
+    scheduler = cls(scheduler_config, cache_config,
+                    block_manager=manager or make_block_manager(cc, scheduler_config.compat),
+                    choose_victim=parts.get("victim"), can_admit=parts.get("admission"))
+    track_schedule(tracker, scheduler)
+    return scheduler
 
 
 def _configs(preset_or_configs) -> tuple[SchedulerConfig, CacheConfig]:
@@ -143,17 +202,20 @@ def _configs(preset_or_configs) -> tuple[SchedulerConfig, CacheConfig]:
     return dataclasses.replace(sc), dataclasses.replace(cc)  # the engine fills in a config's None fields
 
 
-def build_scheduler(preset_or_configs=None, *, chapter: int | None = None,
-                    strict: bool = False) -> tuple[Scheduler, Report]:
+def build_scheduler(preset_or_configs=None, *, chapter: int | None = None, strict: bool = False,
+                    tracker: Tracker | None = None) -> tuple[Scheduler, Report]:
     """A Scheduler (no model) on a preset's configs (default: ``presets.seed_rounds("swap")``), or a
     ``(scheduler_config, cache_config)`` pair, with the reader's allocator, block manager,
     admission rule, scheduler round and victim policy where written (those of chapters up to
     ``chapter``, if given: ``chapter=0`` is the package's scheduler), and the report.
     ``sim.simulate(..., scheduler=)`` runs it. A saved part that fails to import is reported and
-    the package's is used, unless ``strict`` (then WorkspaceError)."""
+    the package's is used, unless ``strict`` (then WorkspaceError). ``tracker`` counts the calls
+    of the reader's parts (``report.calls``)."""
     sc, cc = _configs(preset_or_configs)
-    parts, report = _gather(SCHEDULER_PARTS, chapter, strict)
-    return _scheduler(parts, report, sc, cc), report
+    tracker = tracker or Tracker()
+    parts, report = _gather(SCHEDULER_PARTS, chapter, strict, tracker)
+    report.policies = [sc.policy]
+    return _scheduler(parts, report, sc, cc, tracker), report
 
 
 @functools.cache
@@ -184,12 +246,15 @@ def _loaded(model):
 
 
 def build_engine(model=None, *, preset=None, chapter: int | None = None, strict: bool = False,
-                 attention_backend="torch", **engine_kwargs) -> tuple[LLMEngine, Report]:
+                 attention_backend="torch", tracker: Tracker | None = None,
+                 **engine_kwargs) -> tuple[LLMEngine, Report]:
     """An LLMEngine over ``model`` (a LoadedModel, a model name or directory; default SmolLM2 if
     installed, else the tiny random Llama) on ``preset``'s configs (default the s0/s1/s2 preset),
     with every part the reader has written (up to ``chapter``'s; ``chapter=0``: none) and the
-    package's for the rest, and the report. ``attention_backend`` is the package's backend used where the reader has not
-    written one; ``engine_kwargs`` go to LLMEngine (``record_history`` defaults to True)."""
+    package's for the rest, and the report. The engine is the reader's ``LLMEngine`` subclass
+    (``engine_step``) if saved. ``attention_backend`` is the package's backend used where the
+    reader has not written one; ``engine_kwargs`` go to LLMEngine (``record_history`` defaults to
+    True). ``tracker`` counts the calls of the reader's parts (``report.calls``)."""
     from tinyserve.worker import Worker
 
     taken = {"cache_engine", "sampler", "executor", "attention_backend", "scheduler",
@@ -198,7 +263,9 @@ def build_engine(model=None, *, preset=None, chapter: int | None = None, strict:
         raise ValueError(f"build_engine fills in {', '.join(sorted(taken))} from the workspace; save your part there")
     sc, cc = _configs(preset)
     loaded = _loaded(model)
-    parts, report = _gather(ENGINE_PARTS, chapter, strict)
+    tracker = tracker or Tracker()
+    parts, report = _gather(ENGINE_PARTS, chapter, strict, tracker)
+    report.policies = [sc.policy]
     backend = parts.get("attention", attention_backend)
     backend = backend() if isinstance(backend, type) else backend
     sampler = parts.get("sampler")
@@ -211,7 +278,11 @@ def build_engine(model=None, *, preset=None, chapter: int | None = None, strict:
 
     def scheduler(scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> Scheduler:
         # Called by the engine once the cache is sized: the block manager needs num_gpu_blocks.
-        return _scheduler(parts, report, scheduler_config, cache_config, cls)
+        return _scheduler(parts, report, scheduler_config, cache_config, tracker, cls)
 
-    engine = LLMEngine(model_config, cc, sc, executor=worker, sampler=sampler, scheduler=scheduler, **engine_kwargs)
+    engine_cls = parts.get("engine_step", LLMEngine)
+    if not (isinstance(engine_cls, type) and issubclass(engine_cls, LLMEngine)):
+        _disown(report, "engine_step", "it must be a subclass of tinyserve.engine.LLMEngine")
+        engine_cls = LLMEngine
+    engine = engine_cls(model_config, cc, sc, executor=worker, sampler=sampler, scheduler=scheduler, **engine_kwargs)
     return engine, report

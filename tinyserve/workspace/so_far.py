@@ -9,6 +9,9 @@ chapter 13 on the engine runs s0/s1/s2 under ``policy="v1"`` as well (chapter 13
 From chapter 06 the engine runs the prompts greedily on a model (SmolLM2 if installed, else the
 tiny random Llama; with the tiny tokenizer the prompts are 9, 7 and 4 tokens, so the rounds are
 not the story's, but both runs share them) and the tokens are compared as well as the rounds.
+
+The reader's run is contained (``contain``): each round is bounded in time, anything it raises
+is the verdict's problem line, and the report counts the calls each of the reader's parts served.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from tinyserve import presets
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.sim import RoundRecord, make_record, simulate
+from tinyserve.workspace import contain
 from tinyserve.workspace.assemble import (
     ENGINE_PARTS,
     LATER_PARTS,
@@ -29,6 +33,7 @@ from tinyserve.workspace.assemble import (
     build_engine,
     build_scheduler,
 )
+from tinyserve.workspace.contain import ComponentError, Tracker, contained
 from tinyserve.workspace.store import COMPONENTS, saved_components
 
 FACTS = ("phase", "batch", "preempted", "swapped_out", "swapped_in", "finished", "ignored", "waiting", "running",
@@ -82,10 +87,9 @@ def token_difference(mine: dict[str, list[int]], expected: dict[str, list[int]])
     return None
 
 
-def _recorded_simulation(scheduler, preset) -> tuple[list[RoundRecord], str | None]:
-    """The simulator's rounds on ``scheduler``, kept as they happen, so that a run that raises
-    (a reader's part may) still shows the rounds before it, and the error."""
-    records: list[RoundRecord] = []
+def _simulate_into(scheduler, preset, records: list[RoundRecord]) -> None:
+    """The simulator's rounds on ``scheduler``, appended to ``records`` as they happen, so that a
+    run that raises (a reader's part may) still shows the rounds before it."""
     postprocess = scheduler.postprocess
 
     def recording_postprocess(out, next_token):  # simulate calls it once per round, after schedule
@@ -94,26 +98,94 @@ def _recorded_simulation(scheduler, preset) -> tuple[list[RoundRecord], str | No
         return finished
 
     scheduler.postprocess = recording_postprocess
+    simulate(preset.requests, preset.scheduler_config, preset.cache_config, scheduler=scheduler)
+
+
+def _recorded_simulation(scheduler, preset) -> tuple[list[RoundRecord], str | None]:
+    """The simulator's rounds on ``scheduler`` (the package's run), and the error if it raised."""
+    records: list[RoundRecord] = []
     try:
-        simulate(preset.requests, preset.scheduler_config, preset.cache_config, scheduler=scheduler)
-    except Exception as e:  # the reader's part: report it, do not stop the chapter
+        _simulate_into(scheduler, preset, records)
+    except Exception as e:
         return records, f"{type(e).__name__}: {e}"
     return records, None
 
 
-def _engine_run(engine, preset) -> tuple[dict[str, list[int]], list[RoundRecord], str | None]:
+def _drive(engine, preset, done: dict[str, list[int]], tracker: Tracker | None = None,
+           max_rounds: int | None = None) -> None:
+    """Add the preset's prompts and step the engine until they finish, each request's tokens into
+    ``done``; with a tracker each step is a round of its bound, and at most ``max_rounds``."""
     params = SamplingParams(temperature=0.0, max_tokens=preset.max_tokens, ignore_eos=True)
+    for rid, prompt in preset.prompts.items():
+        engine.add_request(rid, prompt, params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        if max_rounds is not None and steps >= max_rounds:
+            raise ComponentError(f"your run did not finish within {max_rounds} rounds: requests that never "
+                                 "finish?")
+        if tracker is not None:
+            tracker.begin_round()
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+
+
+def _engine_run(engine, preset) -> tuple[dict[str, list[int]], list[RoundRecord], str | None]:
+    """The package's engine run: each request's tokens, the rounds, and the error if it raised."""
     done: dict[str, list[int]] = {}
     try:
-        for rid, prompt in preset.prompts.items():
-            engine.add_request(rid, prompt, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = list(out.outputs[0].token_ids)
+        _drive(engine, preset, done)
     except Exception as e:
         return done, engine.history, f"{type(e).__name__}: {e}"
     return done, engine.history, None
+
+
+# The reader's engine run stops after this many times the package's rounds (and 20 more).
+ROUND_LIMIT_FACTOR = 4
+
+
+def readers_engine_run(model, preset, chapter: int, package_rounds: int
+                       ) -> tuple[dict[str, list[int]], list[RoundRecord], Report, str | None]:
+    """The engine on the reader's parts of chapters up to ``chapter``, built and run contained
+    (``contain.STEP_TIMEOUT_S`` a step): each request's tokens, the rounds, the measured report,
+    and the problem line of whatever stopped the run (None if nothing did)."""
+    tracker = Tracker(contain.STEP_TIMEOUT_S)
+    tracker.rounds_by_schedule = False  # the steps below start the rounds
+    done: dict[str, list[int]] = {}
+    built: list = []
+
+    def run() -> None:
+        engine, _ = build_engine(model, preset=preset, chapter=chapter, tracker=tracker)
+        built.append(engine)
+        _drive(engine, preset, done, tracker, ROUND_LIMIT_FACTOR * package_rounds + 20)
+
+    _, error = contained(tracker, run)
+    rounds: list[RoundRecord] = []
+    if built:
+        try:
+            rounds = list(built[0].history)
+        except Exception:  # a reader's engine without the recorder: no rounds to show
+            pass
+    report = tracker.report if tracker.report is not None else _report_after_failure(chapter, ENGINE_PARTS)
+    report.measured = True
+    return done, rounds, report, error
+
+
+def readers_scheduler_run(preset, chapter: int) -> tuple[list[RoundRecord], Report, str | None]:
+    """The simulator on the reader's scheduler parts, built and run contained
+    (``contain.ROUND_TIMEOUT_S`` a round): the rounds, the measured report, and the problem line."""
+    tracker = Tracker(contain.ROUND_TIMEOUT_S)
+    records: list[RoundRecord] = []
+
+    def run() -> None:
+        scheduler, _ = build_scheduler(preset, chapter=chapter, tracker=tracker)
+        _simulate_into(scheduler, preset, records)
+
+    _, error = contained(tracker, run)
+    report = tracker.report if tracker.report is not None else _report_after_failure(chapter, SCHEDULER_PARTS)
+    report.measured = True
+    return records, report, error
 
 
 def _report_after_failure(chapter: int, names: tuple[str, ...]) -> Report:
@@ -144,35 +216,31 @@ def _seed(preemption_mode: str | None, policy: str) -> presets.Preset:
 
 
 def _scheduler_runs(preset, chapter: int) -> tuple[list[RoundRecord], list[RoundRecord], Report, str | None]:
-    """The package's rounds and the reader's on ``preset``, the report, and the reader's error."""
+    """The package's rounds and the reader's on ``preset``, the report, and the reader's problem."""
     package, _ = _recorded_simulation(build_scheduler(preset, chapter=0)[0], preset)
-    try:
-        scheduler, report = build_scheduler(preset, chapter=chapter)
-        mine, error = _recorded_simulation(scheduler, preset)
-    except Exception as e:
-        report, mine, error = _report_after_failure(chapter, SCHEDULER_PARTS), [], f"{type(e).__name__}: {e}"
+    mine, report, error = readers_scheduler_run(preset, chapter)
     return package, mine, report, error
 
 
 def _problems(mine: list[RoundRecord], package: list[RoundRecord], error: str | None,
               my_tokens: dict[str, list[int]] | None = None,
               package_tokens: dict[str, list[int]] | None = None) -> list[str]:
-    """The first difference of rounds (and tokens, if given), and the reader's error, if any."""
+    """The first difference of rounds (and tokens, if given), and the reader's problem line, if any."""
     problems = [p for p in (round_difference(mine, package),
                             token_difference(my_tokens, package_tokens) if package_tokens is not None else None) if p]
     if error:
-        where = f"in round {len(mine) + 1}" if mine else "before the first round"
         # What the error cut short is not a difference of its own.
         problems = [p for p in problems if mine and not p.endswith(f"rounds instead of {len(package)}")
                     and " tokens instead of " not in p]
-        problems.append(f"your run raised {error} ({where})")
+        problems.append(error)
     return problems
 
 
 def your_engine_so_far(chapter: int, *, model=None, preemption_mode: str = "swap", quiet: bool = False) -> Verdict:
     """Run s0/s1/s2 (``presets.seed_rounds(preemption_mode)``) through the reader's parts of
     chapters up to ``chapter`` and through the package's, print the verdict ("same rounds",
-    "same tokens", or the first difference) and which parts were the reader's, and return it.
+    "same tokens", or the first difference, or what stopped the reader's run) and which parts
+    were the reader's with the calls each served, and return it.
 
     Chapters 02–05: the scheduler without a model. Chapter 04 runs s0/s1/s2 under
     ``policy="vllm"`` and again under ``policy="orca"``, whose round is the chapter's
@@ -183,22 +251,21 @@ def your_engine_so_far(chapter: int, *, model=None, preemption_mode: str = "swap
     kind = "rounds" if chapter <= 5 else "tokens"
     policies = _policies(chapter)
     runs = []  # (policy, package's rounds, reader's rounds, problems, reader's tokens, package's tokens)
+    reports = []
     for policy in policies:
         preset = _seed(preemption_mode, policy)
         if kind == "rounds":
             package, mine, report, error = _scheduler_runs(preset, chapter)
+            reports.append(report)
             runs.append((policy, package, mine, _problems(mine, package, error), {}, {}))
             continue
         engine, _ = build_engine(model, preset=preset, chapter=0)
         package_tokens, package, _ = _engine_run(engine, preset)
-        try:
-            engine, report = build_engine(model, preset=preset, chapter=chapter)
-            my_tokens, mine, error = _engine_run(engine, preset)
-        except Exception as e:
-            report, my_tokens, mine = _report_after_failure(chapter, ENGINE_PARTS), {}, []
-            error = f"{type(e).__name__}: {e}"
+        my_tokens, mine, report, error = readers_engine_run(model, preset, chapter, len(package))
+        reports.append(report)
         runs.append((policy, package, mine, _problems(mine, package, error, my_tokens, package_tokens),
                      my_tokens, package_tokens))
+    report = Report.combined(reports)
     failed = [run for run in runs if run[3]]
     _, package, mine, _, my_tokens, package_tokens = failed[0] if failed else runs[-1]
     if len(runs) == 1:
