@@ -1,5 +1,6 @@
 """Deliberately wrong answers to chapter 09's core components, merged into tests/exercise_mistakes.py:
-the input builder (``check_input_builder``) and the sampler (``check_sampler``)."""
+the input builder (``check_input_builder``), the sampler (``check_sampler``) and the serving loop
+(``check_engine_step``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import functools
 import torch
 
 from tinyserve.attention.metadata import AttentionMetadata
+from tinyserve.engine import LLMEngine
+from tinyserve.logprobs import sampled_logprobs
 from tinyserve.model_runner import ModelInput
 from tinyserve.sampler import Sampler, apply_min_p
 
@@ -149,6 +152,102 @@ class _UnseededOwnGenerator(_SlippingSampler):  # its own generator ignores the 
         self.generator.seed()
 
 
+# -- the serving loop -------------------------------------------------------------------------------
+
+
+class _SlippingLoop(LLMEngine):
+    """The chapter's step and execute, with the one slip named by ``slip``."""
+
+    slip = None
+
+    def execute(self, metas, out):
+        worker, slip = self.executor, self.slip
+        cache = worker.cache_engine
+        if slip == "no orders without groups" and not metas:
+            return None
+        if slip == "swap in first":
+            cache.swap_in(out.blocks_to_swap_in)
+            cache.swap_out(out.blocks_to_swap_out)
+        else:
+            cache.swap_out(out.blocks_to_swap_out)
+            cache.swap_in(out.blocks_to_swap_in)
+        if slip != "copy first":
+            cache.copy(out.blocks_to_copy)
+        if not metas:
+            return None
+        with torch.inference_mode():
+            logits = worker.run(worker.prepare_inputs(metas, worker.block_size, worker.device))
+        if slip == "copy first":  # too late: the model read and wrote the blocks before their copies
+            cache.copy(out.blocks_to_copy)
+        return logits
+
+    def step(self):
+        slip = self.slip
+        metas, out = self.scheduler.schedule()
+        logits = self.execute(metas, out)
+        if logits is not None:
+            logits = self.take_prompt_logprobs(metas, logits)
+        self.scheduler.update_num_computed_tokens(out)
+        groups = [s.seq_group for s in out.scheduled_seq_groups]
+        seen = self.__dict__.setdefault("seen", {})
+        seen.update((g.request_id, g) for g in groups)
+        rows = [(meta, group, seq) for meta, group in zip(metas, groups)
+                if meta.do_sample or slip == "sample every row" for seq in meta.seq_data.values()]
+        produced = []
+        if rows:
+            requests = [self.sample_request(meta, seq) for meta, _, seq in rows]
+            samples = self.sampler(logits, requests)
+            for (_, group, seq), tokens, logprobs in zip(rows, samples, sampled_logprobs(logits, requests, samples)):
+                if seq.is_finished():
+                    continue
+                if slip == "every sample to the parent":
+                    for t, lp in zip(tokens, logprobs):
+                        seq.append_token_id(t, *lp)
+                    self.check_stop(group, seq)
+                    produced += [(group, seq, t) for t in tokens]
+                    continue
+                if slip == "fork after the parent's token":
+                    seq.append_token_id(tokens[0], *logprobs[0])
+                    seqs = [seq] + [self.fork(group, seq, t, lp) for t, lp in zip(tokens[1:], logprobs[1:])]
+                else:
+                    seqs = [seq] + [self.fork(group, seq, t, lp) for t, lp in zip(tokens[1:], logprobs[1:])]
+                    seq.append_token_id(tokens[0], *logprobs[0])
+                for s, token in zip(seqs, tokens):
+                    if s is seq or slip != "forks not stop-checked":
+                        self.check_stop(group, s)
+                    produced.append((group, s, token))
+        finished = [g.request_id for g in groups if g.is_finished()]
+        if slip != "finished groups kept":
+            self.scheduler.free_finished_seq_groups()
+        reported = groups + ([] if slip == "ignored left out" else out.ignored_seq_groups)
+        if slip == "every request seen":  # its own list of requests, which abort_request never empties
+            reported = list(seen.values()) + out.ignored_seq_groups
+        outputs = [o for g in reported if (o := self.output(g)) is not None]
+        for request_id in finished + [g.request_id for g in out.ignored_seq_groups]:
+            self.release(request_id)
+            seen.pop(request_id, None)
+        if slip != "no report":
+            self.report_step(out, finished, produced, outputs)
+        return outputs
+
+
+def _loop(slip: str) -> type:
+    return type(f"ServingLoop_{slip.replace(' ', '_')}", (_SlippingLoop,), {"slip": slip})
+
+
+class _Wrapper(LLMEngine):  # the package's loop under the reader's name
+    def step(self):
+        return super().step()
+
+    def execute(self, metas, out):
+        return super().execute(metas, out)
+
+
+class _WorkerWrapper(_SlippingLoop):  # execute hands the round to the package's worker
+    def execute(self, metas, out):
+        return self.executor.execute_model(metas, out.blocks_to_swap_in, out.blocks_to_swap_out, out.blocks_to_copy)
+
+
 MISTAKES = {
     "check_input_builder": [functools.partial(_packing, slip=slip) for slip in (
         "positions from 0",       # every sequence's positions start at 0, computed prefix or not
@@ -161,4 +260,17 @@ MISTAKES = {
     )],
     "check_sampler": [_TopPShort, _TopKPlusOne, _CutBeforeTemperature, _SharedGenerator, _OneDrawRepeated,
                       _InPlaceTemperature, _NoAdjust, _UnseededOwnGenerator],
+    "check_engine_step": [_loop(slip) for slip in (
+        "swap in first",                  # swap-in before swap-out: a block swapped out may be the destination
+        "copy first",                     # the copies after the model: it wrote into blocks not yet copied
+        "no orders without groups",       # skips a round of cache orders alone
+        "sample every row",               # samples a prefill chunk that has not reached its prompt's end
+        "every sample to the parent",     # best_of samples all appended to one sequence, no forks
+        "fork after the parent's token",  # the forks copy the parent's new token too
+        "forks not stop-checked",         # the forks' text never detokenized, their stops never checked
+        "finished groups kept",           # finished groups stay in the running queue
+        "ignored left out",               # the requests the scheduler refused get no output
+        "every request seen",             # returns requests not in the round, aborted ones too
+        "no report",                      # the observers (history, totals) hear nothing
+    )] + [LLMEngine, _Wrapper, _WorkerWrapper],
 }

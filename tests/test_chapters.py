@@ -23,9 +23,10 @@ CHAPTERS = sorted((Path(__file__).resolve().parents[1] / "chapters").glob("[0-9]
 # guard with headroom for a noisy CI machine; measured times are printed (pytest -s shows them).
 CEILING_S = 300
 SOLUTIONS = Path(__file__).resolve().parents[1] / "chapters" / "solutions"
-# The parts chapter 09's capstone must run as the reader's (issue 22 §3).
+# The parts chapter 09's capstone must run as the reader's (issue 22 §3), the serving loop
+# itself included (issue 35 §1).
 CAPSTONE_PARTS = {"allocator", "block_manager", "orca_round", "scheduler_round", "cache_engine", "attention",
-                  "input_builder", "sampler"}
+                  "input_builder", "sampler", "engine_step"}
 
 
 def test_there_are_chapters():
@@ -69,5 +70,7 @@ def test_chapter_executes(path: Path, tmp_path: Path, monkeypatch: pytest.Monkey
         assert result.exists(), "chapter 09 ran no capstone()"
         capstone = json.loads(result.read_text())
         assert set(capstone["yours"]) >= CAPSTONE_PARTS, capstone["report"]
+        # "Your parts" is measured: each of them served calls during the run (issue 35 §4).
+        assert all(capstone["calls"].get(name, 0) > 0 for name in CAPSTONE_PARTS), capstone["calls"]
         assert capstone["ok"] and all(row["same"] for row in capstone["rows"]), capstone["problems"]
         assert sum(capstone["preemptions"].values()) > 0

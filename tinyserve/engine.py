@@ -1,11 +1,15 @@
 """The engine: the Scheduler and the Worker(s), stepped together.
 
 ``LLMEngine.step`` is one iteration of the serving loop: the scheduler picks the round, the
-worker runs it, the sampler picks next tokens (whose log-probabilities are read from the
-model's logits, ``tinyserve/logprobs.py``), the detokenizer turns them into text, and
-finished sequences give their blocks back. Whoever wants to watch (the book's recorder, a
-metrics exporter) registers a callback that hears what each step did (``add_callback``).
-``LLM`` (``tinyserve/llm.py``) wraps the engine for offline batch generation.
+worker runs it (``execute``: the cache orders, then the model), the sampler picks next tokens
+(whose log-probabilities are read from the model's logits, ``tinyserve/logprobs.py``), the
+detokenizer turns them into text, and finished sequences give their blocks back. What a step
+needs besides the scheduler, the executor and the sampler is a public method with a contract:
+``sample_request``, ``take_prompt_logprobs``, ``fork``, ``check_stop``, ``fail``, ``output``,
+``release`` and ``report_step`` (chapter 9's exercise writes ``step`` and ``execute`` from them).
+Whoever wants to watch (the book's recorder, a metrics exporter) registers a callback that
+hears what each step did (``add_callback``). ``LLM`` (``tinyserve/llm.py``) wraps the engine
+for offline batch generation.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from tinyserve.cache_engine import CacheEngine
 from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tinyserve.detokenizer import detokenize_incrementally, find_stop_string
 from tinyserve.logprobs import prompt_logprob_dicts, sampled_logprobs
-from tinyserve.model_runner import PromptSpan, prompt_logprob_spans
+from tinyserve.model_runner import prompt_logprob_spans
 from tinyserve.models.loader import check_max_model_len
 from tinyserve.outputs import (
     OutputBuilder,
@@ -32,6 +36,7 @@ from tinyserve.outputs import (
 from tinyserve.sampler import Sampler, SampleRequest
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.scheduler import Scheduler
+from tinyserve.scheduler_outputs import SchedulerOutputs
 from tinyserve.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus, check_token_ids
 from tinyserve.worker import Worker
 
@@ -141,14 +146,7 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self.scheduler.abort_seq_group(ids)
         for rid in ids:
-            self._release(rid)
-
-    def _release(self, request_id: str) -> None:
-        group = self._groups.pop(request_id, None)
-        if group is not None:
-            for seq in group.get_seqs():
-                self._generators.pop(seq.seq_id, None)
-            self._outputs.forget(group)
+            self.release(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()
@@ -159,62 +157,79 @@ class LLMEngine:
     # -- one iteration ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration of the serving loop. Returns the outputs of the round's requests: each
+        scheduled one and each the scheduler refused (ignored), in the kind each asked for."""
         t0 = time.perf_counter()
         metas, out = self.scheduler.schedule()
         t1 = time.perf_counter()
-        logits = None
-        if not out.is_empty():
-            logits = self.executor.execute_model(metas, out.blocks_to_swap_in, out.blocks_to_swap_out,
-                                                 out.blocks_to_copy)
+        logits = self.execute(metas, out)
         t2 = time.perf_counter()
-        spans = prompt_logprob_spans(metas) if logits is not None else []  # before the computed tokens advance
+        if logits is not None:
+            logits = self.take_prompt_logprobs(metas, logits)  # before the computed tokens advance
         self.scheduler.update_num_computed_tokens(out)  # the K/V of every scheduled token is in the cache
-        rows = [(meta, seq) for meta in metas if meta.do_sample for seq in meta.seq_data.values()]
-        requests = [self._sample_request(m, s) for m, s in rows]
-        # The logits hold the sampled rows first, then the prompt rows asked for by prompt_logprobs.
-        samples = self.sampler(logits[:len(rows)] if spans else logits, requests) if rows else []
+        groups = [scheduled.seq_group for scheduled in out.scheduled_seq_groups]  # one per meta, in order
+        rows = [(meta, group, seq) for meta, group in zip(metas, groups) if meta.do_sample
+                for seq in meta.seq_data.values()]
+        requests = [self.sample_request(meta, seq) for meta, _, seq in rows]
+        samples = self.sampler(logits, requests) if rows else []
         logprobs = sampled_logprobs(logits, requests, samples) if rows else []
-        if spans:
-            self._take_prompt_logprobs(spans, logits[len(rows):])
         t3 = time.perf_counter()
         produced: list[tuple[SequenceGroup, Sequence, int]] = []
-        for (meta, seq), tokens, row_logprobs in zip(rows, samples, logprobs):
-            group = self._groups[meta.request_id]
+        for (_, group, seq), tokens, row_logprobs in zip(rows, samples, logprobs):
             if seq.is_finished():
                 continue  # its request failed on an earlier row of this step
             if isinstance(tokens, Exception):
-                self._fail(group, f"sampling failed: {tokens}")
-            else:
-                produced += self._take_samples(group, seq, tokens, row_logprobs)
-        finished = [m.request_id for m in metas if self._groups[m.request_id].is_finished()]
+                self.fail(group, f"sampling failed: {tokens}")
+                continue
+            # The first token is the row's own; each other one (best_of > 1 at a prompt) starts a fork.
+            seqs = [seq] + [self.fork(group, seq, t, lp) for t, lp in zip(tokens[1:], row_logprobs[1:])]
+            seq.append_token_id(tokens[0], *row_logprobs[0])
+            for s, token in zip(seqs, tokens):
+                self.check_stop(group, s)
+                produced.append((group, s, token))
+        finished = [g.request_id for g in groups if g.is_finished()]
         self.scheduler.free_finished_seq_groups()
-        groups = [self._groups[m.request_id] for m in metas] + out.ignored_seq_groups
-        outputs = [o for o in map(self._outputs.build, groups) if o is not None]
+        outputs = [o for o in map(self.output, groups + out.ignored_seq_groups) if o is not None]
         for rid in finished + [g.request_id for g in out.ignored_seq_groups]:
-            self._release(rid)
-        times = (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
-        self.times.add(times)
-        self.num_preemptions_total += len(out.preempted)
-        self.num_generation_tokens_total += len(produced)
-        # >>> fold: the callbacks of observers
-        if self._callbacks:
-            event = StepEvent(out, finished, produced, outputs, times)
-            for callback in list(self._callbacks):
-                callback(self, event)
-        # <<<
+            self.release(rid)
+        self.report_step(out, finished, produced, outputs, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3))
         return outputs
 
-    def _sample_request(self, meta: SequenceGroupMetadata, seq: Sequence) -> SampleRequest:
+    def execute(self, metas: list[SequenceGroupMetadata], out: SchedulerOutputs) -> torch.Tensor | None:
+        """The worker's half of a step: the round's cache orders, then the model (``Worker.execute_model``).
+
+        Swap-out goes first, because the GPU blocks it empties may be handed out again this very
+        round (as a swap-in or copy destination, or a new token's slot); swap-in next, because a
+        copy may read a block just brought back; the copies last, before the model writes the
+        new tokens into the fresh copies. Returns float32 logits, one row per sampled sequence
+        in batch order (then the prompt rows ``prompt_logprobs`` asks for), or None when no
+        group ran (a round of cache orders alone, or an empty one)."""
+        if out.is_empty():
+            return None
+        return self.executor.execute_model(metas, out.blocks_to_swap_in, out.blocks_to_swap_out, out.blocks_to_copy)
+
+    # -- the step's tools: what a step needs besides the scheduler, the executor and the sampler --
+
+    def sample_request(self, meta: SequenceGroupMetadata, seq: Sequence) -> SampleRequest:
+        """What the sampler needs to draw ``seq``'s next token(s): its request's parameters, its
+        own generator (requests with a ``seed``), its tokens for the penalties, and how many to
+        draw: ``best_of`` for a prompt's first sample (one row, then forks), otherwise 1."""
         params = meta.sampling_params
         first = meta.is_prompt and seq.get_output_len() == 0 and len(meta.seq_data) == 1
         return SampleRequest(params, num_samples=params.num_samples if first else 1,
                              generator=self._generators.get(seq.seq_id), prompt_token_ids=seq.prompt_token_ids,
                              output_token_ids=seq.output_token_ids, eos_token_id=self.eos_token_id)
 
-    # -- log-probabilities (chapter 9's sampling features) -----------------------------------
-
-    def _take_prompt_logprobs(self, spans: list[PromptSpan], logits: torch.Tensor) -> None:
-        """Append the dicts of this round's prompt positions to their requests' prompt_logprobs."""
+    def take_prompt_logprobs(self, metas: list[SequenceGroupMetadata], logits: torch.Tensor) -> torch.Tensor:
+        """Split the executor's logits: the rows after the sampled ones are prompt positions that
+        requests with ``prompt_logprobs`` asked for; their logprobs go into those requests'
+        outputs. Returns the sampled rows alone (all of ``logits`` when no request asked). Reads
+        the round's positions from ``num_computed_tokens``: they must not have advanced yet."""
+        spans = prompt_logprob_spans(metas)
+        if not spans:
+            return logits
+        num_sampled = sum(len(meta.seq_data) for meta in metas if meta.do_sample)
+        rows = logits[num_sampled:]
         offset = 0
         for span in spans:
             num = span.stop - span.start
@@ -222,27 +237,17 @@ class LLMEngine:
             # In order, chunk after chunk; a recomputed prompt repeats positions already collected.
             if collected is not None and len(collected) == span.start + 1:
                 next_tokens = span.seq.prompt_token_ids[span.start + 1:span.stop + 1]
-                collected += prompt_logprob_dicts(logits[offset:offset + num], next_tokens,
+                collected += prompt_logprob_dicts(rows[offset:offset + num], next_tokens,
                                                   span.meta.sampling_params.prompt_logprobs)
             offset += num
+        return logits[:num_sampled]
 
-    def _take_samples(self, group: SequenceGroup, seq: Sequence, tokens: list[int],
-                      logprobs: list[tuple[float, dict | None]]) -> list[tuple[SequenceGroup, Sequence, int]]:
-        """``seq`` takes the first token; each other one (best_of > 1 at a prompt) goes to a new fork."""
-        # Forks copy seq before its token.
-        seqs = [self._fork(group, seq, token, lp) for token, lp in zip(tokens[1:], logprobs[1:])]
-        seq.append_token_id(tokens[0], *logprobs[0])
-        seqs.insert(0, seq)
-        try:
-            for s in seqs:
-                self._check_stop(group, s)
-        except Exception as e:  # the tokenizer failed on this request's tokens: fail it alone
-            self._fail(group, f"detokenization failed: {e!r}")
-        return [(group, s, t) for s, t in zip(seqs, tokens)]
-
-    def _fork(self, group: SequenceGroup, parent: Sequence, token: int,
-              logprob: tuple[float, dict | None] = (0.0, None)) -> Sequence:
-        """Parallel sampling: a child shares the parent's blocks (copy-on-write) and takes its own token."""
+    def fork(self, group: SequenceGroup, parent: Sequence, token: int,
+             logprob: tuple[float, dict | None] = (0.0, None)) -> Sequence:
+        """A new sequence of ``group`` that copies ``parent`` as it is now, shares its blocks
+        (copy-on-write: the block manager copies a shared block when one of them writes into it),
+        and takes ``token`` (with its ``logprob``, as ``Sequence.append_token_id``). With a
+        ``seed``, the i-th sequence of a group draws from its own generator, seeded ``seed + i``."""
         child = parent.fork(next(self._seq_ids))
         group.add(child)
         self.scheduler.fork_seq(parent, child)
@@ -252,10 +257,21 @@ class LLMEngine:
         child.append_token_id(token, *logprob)
         return child
 
+    def check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
+        """After ``seq`` took a token: detokenize it into ``seq.output_text``, cut a completed stop
+        string out of the text, and finish the sequence if it stops (``Scheduler.check_stop``:
+        stop strings, EOS, stop token ids, ``max_tokens``, the model length), freeing its blocks.
+        A tokenizer that fails on the request's tokens fails the request alone (``fail``). A
+        sequence already finished is left as it is."""
+        if seq.is_finished():
+            return
+        try:
+            self._check_stop(group, seq)
+        except Exception as e:  # the tokenizer failed on this request's tokens: fail it alone
+            self.fail(group, f"detokenization failed: {e!r}")
+
     def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
-        """The engine's half of the stop checks, the one that needs text: detokenize the new token
-        and look for a stop string. The scheduler checks the rest (EOS, stop token ids, lengths)
-        and frees the blocks of a sequence that finished."""
+        """The engine's half of the stop checks, the one that needs text; the scheduler checks the rest."""
         new_text = detokenize_incrementally(self.tokenizer, seq)
         params = group.sampling_params
         cut = -1
@@ -267,13 +283,46 @@ class LLMEngine:
             seq.output_text = seq.output_text[:cut]
         self.scheduler.check_stop(group, seq, self.eos_token_id, stop_string_found=cut != -1)
 
-    def _fail(self, group: SequenceGroup, message: str) -> None:
-        """Finish a request whose own step failed, as aborted with the reason; the others go on."""
+    def fail(self, group: SequenceGroup, message: str) -> None:
+        """Finish a request whose own part of the step failed: its unfinished sequences end as
+        aborted and free their blocks, and its output carries ``message`` as its error. The other
+        requests go on."""
         group.error = f"request {group.request_id!r}: {message}"
         for seq in group.get_unfinished_seqs():
             seq.status = SequenceStatus.FINISHED_ABORTED
             seq.finish_message = message
             self.scheduler.free_seq(seq)
+
+    def output(self, group: SequenceGroup) -> RequestOutput | None:
+        """``group``'s RequestOutput as it stands, in the kind its request asked for (whole,
+        delta or final only), or None when that kind has nothing to report now."""
+        return self._outputs.build(group)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request that is done (finished, ignored or aborted): its generators and what its
+        outputs have reported. Its id may be used again afterwards. Its blocks are the scheduler's."""
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            for seq in group.get_seqs():
+                self._generators.pop(seq.seq_id, None)
+            self._outputs.forget(group)
+
+    def report_step(self, out: SchedulerOutputs, finished: list[str],
+                    produced: list[tuple[SequenceGroup, Sequence, int]], outputs: list[RequestOutput],
+                    times: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)) -> None:
+        """Tell the observers what a step did: the round, the ids of its requests that finished,
+        every token sampled (group, sequence, token), the outputs returned, and the seconds spent
+        scheduling, in the model, sampling and processing. Adds them to ``times`` and the
+        running totals (preemptions, generated tokens), and calls every callback (the history)."""
+        self.times.add(times)
+        self.num_preemptions_total += len(out.preempted)
+        self.num_generation_tokens_total += len(produced)
+        # >>> fold: the callbacks of observers
+        if self._callbacks:
+            event = StepEvent(out, finished, produced, outputs, times)
+            for callback in list(self._callbacks):
+                callback(self, event)
+        # <<<
 
 
 def _make_executor(model_config: ModelConfig, parallel_config: ParallelConfig, attention_backend: BackendSpec,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from tinyserve.attention.metadata import AttentionMetadata
+from tinyserve.engine import LLMEngine as PackageEngine
+from tinyserve.logprobs import sampled_logprobs
 from tinyserve.model_runner import ModelInput
 from tinyserve.sampler import Sampler as PackageSampler
 from tinyserve.sampler import apply_min_p
@@ -106,3 +108,54 @@ def apply_round(gpu, cpu, swap_out, swap_in, copy, writes):
     for b, value in writes.items():
         gpu[b] = value
     return gpu, cpu
+
+
+class ServingLoop(PackageEngine):
+    """The serving loop, from the contracts of the engine's tools (section 9.4)."""
+
+    def execute(self, metas, out):
+        worker = self.executor
+        cache = worker.cache_engine
+        # Swap-out first: the blocks it empties may be this round's swap-in or copy destinations,
+        # or its new tokens' slots. Swap-in before the copies: a copy may read a block it brings back.
+        cache.swap_out(out.blocks_to_swap_out)
+        cache.swap_in(out.blocks_to_swap_in)
+        cache.copy(out.blocks_to_copy)
+        if not metas:
+            return None
+        with torch.inference_mode():  # no autograd bookkeeping: nothing is trained here
+            return worker.run(worker.prepare_inputs(metas, worker.block_size, worker.device))
+
+    def step(self):
+        metas, out = self.scheduler.schedule()
+        logits = self.execute(metas, out)
+        if logits is not None:
+            logits = self.take_prompt_logprobs(metas, logits)  # reads the positions before they advance
+        self.scheduler.update_num_computed_tokens(out)
+        groups = [scheduled.seq_group for scheduled in out.scheduled_seq_groups]
+        # A row per sequence of a group that reached its end (a prefill chunk short of it has none).
+        rows = [(meta, group, seq) for meta, group in zip(metas, groups) if meta.do_sample
+                for seq in meta.seq_data.values()]
+        produced = []
+        if rows:
+            requests = [self.sample_request(meta, seq) for meta, _, seq in rows]
+            samples = self.sampler(logits, requests)
+            for (_, group, seq), tokens, logprobs in zip(rows, samples, sampled_logprobs(logits, requests, samples)):
+                if seq.is_finished():  # its request failed on an earlier row
+                    continue
+                if isinstance(tokens, Exception):
+                    self.fail(group, f"sampling failed: {tokens}")
+                    continue
+                # Forks copy the parent before it takes its own token, the first.
+                seqs = [seq] + [self.fork(group, seq, t, lp) for t, lp in zip(tokens[1:], logprobs[1:])]
+                seq.append_token_id(tokens[0], *logprobs[0])
+                for s, token in zip(seqs, tokens):
+                    self.check_stop(group, s)
+                    produced.append((group, s, token))
+        finished = [g.request_id for g in groups if g.is_finished()]
+        self.scheduler.free_finished_seq_groups()
+        outputs = [o for g in groups + out.ignored_seq_groups if (o := self.output(g)) is not None]
+        for request_id in finished + [g.request_id for g in out.ignored_seq_groups]:
+            self.release(request_id)
+        self.report_step(out, finished, produced, outputs)
+        return outputs
