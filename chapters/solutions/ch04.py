@@ -5,7 +5,8 @@ from collections import deque
 
 from tinyserve import refusals
 from tinyserve.block_manager import AllocStatus
-from tinyserve.scheduler import Scheduler, SchedulerOutputs
+from tinyserve.scheduler import Scheduler as PackageScheduler
+from tinyserve.scheduler import SchedulerOutputs
 from tinyserve.sequence import SequenceStatus
 
 
@@ -62,9 +63,12 @@ class OrcaReservation:
 
 # -- the main exercise: the Orca round ------------------------------------------------------------
 
-class OrcaRound(Scheduler):
-    """The orca policy's round, written out: decodes and prefills in one batch. Every other part
-    of the Scheduler (the vLLM round, preemption, refusals, the bookkeeping) is the package's."""
+class OrcaRound(PackageScheduler):
+    """The orca policy's round: decodes and prefills in one batch. Running groups first, oldest
+    first, each with its next token (or its next refill piece), the newest preempted when a slot
+    does not fit; swapped groups back only in a round that preempted nobody; then waiting
+    prompts, first come first served, only while nothing is swapped out. Every other part of the
+    Scheduler (the vLLM round, preemption, refusals, the bookkeeping) is the package's."""
 
     def _schedule_mixed(self):
         out, budget = SchedulerOutputs(), self._new_budget()

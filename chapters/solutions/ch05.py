@@ -6,7 +6,8 @@ from collections import deque
 from tinyserve import refusals
 from tinyserve.block import Device
 from tinyserve.block_manager import AllocStatus, BlockSpaceManager
-from tinyserve.scheduler import Scheduler, SchedulerOutputs
+from tinyserve.scheduler import Scheduler as PackageScheduler
+from tinyserve.scheduler import SchedulerOutputs
 from tinyserve.sequence import SequenceStatus
 
 
@@ -45,8 +46,13 @@ def preempted(running, needs_block, num_free_blocks):
 
 # -- exercise 3: the vLLM round ---------------------------------------------------------------------
 
-class VllmRound(Scheduler):
-    """The vLLM policy's round, written out; every other part of the Scheduler is the package's."""
+class VllmRound(PackageScheduler):
+    """The vLLM policy's round: all prefill or all decode. A refill cut into pieces goes on
+    first; waiting prompts are admitted, first come first served, only while nothing is swapped
+    out, and a round that admitted or refused one is a prefill round; otherwise running groups
+    decode, oldest first, the newest preempted when a slot does not fit, and swapped groups come
+    back only in a round that preempted nobody. Every other part of the Scheduler is the
+    package's."""
 
     def _schedule_vllm(self):
         out, budget = SchedulerOutputs(), self._new_budget()

@@ -4,7 +4,8 @@ in which first tokens come out under each policy."""
 from collections import deque
 
 from tinyserve import refusals
-from tinyserve.scheduler import Scheduler, SchedulerOutputs
+from tinyserve.scheduler import Scheduler as PackageScheduler
+from tinyserve.scheduler import SchedulerOutputs
 from tinyserve.sequence import SequenceStatus
 
 
@@ -21,10 +22,13 @@ def v1_chunk(prompt_len, num_computed, budget_left, threshold, chunked):
 
 # -- exercise 2: the v1 round --------------------------------------------------------------------
 
-class V1Round(Scheduler):
-    """The v1 policy's round, written out: one token budget, running requests first, blocks a step
-    at a time. Every other part of the Scheduler (the other rounds, _v1_chunk, _fits_v1, preemption,
-    refusals, the bookkeeping) is the package's."""
+class V1Round(PackageScheduler):
+    """The v1 policy's round: one token budget, running requests first, oldest first, each with
+    its next token or prompt chunk and the blocks of this step's tokens only, the newest
+    preempted (recompute) when they do not fit; then, only in a step that preempted nobody,
+    waiting requests in order with the budget left, a prefix hit counted in whole blocks of all
+    tokens but the last. Every other part of the Scheduler (the other rounds, _v1_chunk,
+    _fits_v1, preemption, refusals, the bookkeeping) is the package's."""
 
     def _schedule_v1(self):
         out, budget = SchedulerOutputs(), self._new_budget()

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from tinyserve import presets
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.exercises.ch03 import answer_name
+from tinyserve.exercises.ch05_round import _error, state_before
 from tinyserve.exercises.sched_runs import SimWorkload, check_runs, round_run_difference, scheduler_run
 from tinyserve.exercises.verdict import checker, run_cases, verdict
 from tinyserve.scheduler import Scheduler, SchedulerOutputs
@@ -220,10 +221,8 @@ def _recorded_rounds(cls: type, requests: list[Request], sc: SchedulerConfig, cc
 
         scheduler.postprocess = recording
         simulate(requests, sc, cc, max_rounds=max_rounds, scheduler=scheduler)
-    except NotImplementedError as e:  # the skeleton's body, or part of it
-        return records, f"NotImplementedError{f': {e}' if str(e) else ''} (a part not written yet)"
-    except Exception as e:  # the reader's code
-        return records, f"{type(e).__name__}: {e}"
+    except Exception as e:  # the reader's code; a skeleton's NotImplementedError names the part not written yet
+        return records, _error(cls, e)
     return records, None
 
 
@@ -293,8 +292,8 @@ def check_orca_round(cls: type) -> bool:
         problem = round_run_difference(mine, error, want)
         if problem is None:
             continue
-        parts = _parts_to_blame(cls, workload, want)
+        parts = [] if error and error.startswith("NotImplementedError") else _parts_to_blame(cls, workload, want)
         where = (f"; with the package's other parts, your {' and your '.join(parts)} alone already "
                  f"differ{'s' if len(parts) == 1 else ''}") if parts else ""
-        failures.append(f"{workload[0]}: {problem}{where}")
+        failures.append(f"{workload[0]}: {problem}{state_before(problem, want)}{where}")
     return verdict(name, failures, len(workloads))
