@@ -5,6 +5,13 @@ from tinyserve.block_manager import AllocStatus, BlockSpaceManager
 from tinyserve.sequence import SequenceStatus
 
 
+def needs_block(manager, seq):
+    """Whether the sequence's newest token needs a GPU block of its own."""
+    table = manager.block_tables[seq.seq_id]
+    # A fresh block when the newest token starts a logical block; a copy when the last is shared.
+    return len(table) < seq.n_blocks or table[-1].ref_count > 1
+
+
 class CopyOnWriteManager(BlockSpaceManager):
     """The package's constructor, allocators and swapping; admission, growth, forks and frees written here."""
 
@@ -30,14 +37,9 @@ class CopyOnWriteManager(BlockSpaceManager):
         for seq in waiting:
             self.block_tables[seq.seq_id] = list(table)   # a list of its own: the tables diverge later
 
-    def needs_block(self, seq):
-        table = self.block_tables[seq.seq_id]
-        # A fresh block when the newest token starts a logical block; a copy when the last is shared.
-        return len(table) < seq.n_blocks or table[-1].ref_count > 1
-
     def can_append_slot(self, seq_group):
         running = seq_group.get_seqs(SequenceStatus.RUNNING)
-        return sum(self.needs_block(seq) for seq in running) <= self.gpu_allocator.get_num_free_blocks()
+        return sum(needs_block(self, seq) for seq in running) <= self.gpu_allocator.get_num_free_blocks()
 
     def append_slot(self, seq):
         table = self.block_tables[seq.seq_id]

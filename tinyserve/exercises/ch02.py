@@ -8,6 +8,9 @@ or free list differs; then inside the real scheduler (``BlockSpaceManager(alloca
 ``Scheduler(block_manager=...)``) on s0/s1/s2 and a small random workload that swaps, block
 tables included. ``check_allocator`` grades a variant the same two ways, against a model of its
 rule (the lowest free number first).
+
+The machinery of exercise 1's checker (scripts of calls, the scheduler runs) is in
+``ch02_allocator``, exercise 4's model of its rule in ``ch02_lowest_first``.
 """
 
 from __future__ import annotations
@@ -15,17 +18,22 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from tinyserve.block import BlockAllocator, Device, OutOfBlocksError, PhysicalTokenBlock, slot_mapping
-from tinyserve.block_manager import BlockSpaceManager
-from tinyserve.config import CacheConfig, SchedulerConfig
-from tinyserve.exercises.sched_runs import SimWorkload, check_runs, scheduler_run, seed_workloads
+from tinyserve.block import BlockAllocator, slot_mapping
+from tinyserve.exercises.ch02_allocator import (
+    allocator_difference,
+    allocator_workloads,
+    play_allocator,
+    random_block_script,
+    run_with_allocator,
+)
+from tinyserve.exercises.ch02_lowest_first import LowestFirstModelAllocator, lowest_first_script, play_lowest_first
+from tinyserve.exercises.sched_runs import check_runs
 from tinyserve.exercises.verdict import checker, run_cases, verdict
 from tinyserve.sequence import Sequence
-from tinyserve.sim import Request, RoundRecord
 
-
-def _raised(e: Exception) -> str:
-    return f"raised {type(e).__name__}" + (f": {e}" if str(e) else "")
+# Names other modules and the tests import from here (the checkers' machinery lives beside).
+__all__ = ["allocator_difference", "allocator_workloads", "check_allocator", "check_block_allocator",
+           "check_num_blocks", "check_slot_owner", "play_allocator", "run_with_allocator"]
 
 
 @checker(chapter=2, answer="num_blocks")
@@ -83,95 +91,6 @@ def check_slot_owner(fn: Callable[[dict[str, list[int]], dict[str, int], int, in
 
 # -- the BlockAllocator, the chapter's component -------------------------------------------------
 
-def _block_script(rng: random.Random) -> tuple[int, list[str]]:
-    """A pool size and a script: mostly allocations and frees, some second owners (as a fork
-    makes), and now and then a double free or an allocation from an empty pool."""
-    num_blocks = rng.randint(1, 6)
-    ops = rng.choices(["allocate", "share", "free", "double free"], weights=[5, 2, 4, 1], k=rng.randint(4, 16))
-    return num_blocks, ops
-
-
-def _free_list(pool) -> str:
-    try:
-        return str([b.block_number for b in pool.free_blocks])
-    except Exception as e:  # the reader's class may lack the attribute, or hold something else there
-        return f"unreadable ({type(e).__name__}: {e})"
-
-
-def play_allocator(make: Callable, num_blocks: int, ops: list[str], block_size: int = 4) -> list[tuple[str, str]]:
-    """Play a script on ``make(Device.GPU, block_size, num_blocks)``: one ``(call, what it did)``
-    per call, what it did being the result (or the exception), the block's ref count, the free
-    count and the free list after it. A ``share`` gives the newest owned block a second owner,
-    as ``BlockSpaceManager.fork`` does; ``free`` frees the oldest owned block, ``double free``
-    a block that is already free. A step with no block to act on is skipped."""
-    try:
-        pool = make(Device.GPU, block_size, num_blocks)
-    except Exception as e:  # the reader's constructor
-        return [(f"{getattr(make, '__name__', 'cls')}(Device.GPU, {block_size}, {num_blocks})",
-                 _raised(e))]
-    held: list = []  # every block handed out so far, once each, oldest first
-    steps = []
-    for op in ops:
-        owned = [b for b in held if getattr(b, "ref_count", 0) > 0]
-        if op == "allocate":
-            call = "allocate()"
-        elif op == "share":
-            if not owned:
-                continue
-            block = owned[-1]
-            call = f"block {block.block_number}.ref_count += 1 (a second owner, as fork makes)"
-        else:
-            candidates = owned if op == "free" else [b for b in held if getattr(b, "ref_count", 1) == 0]
-            if not candidates:
-                continue
-            block = candidates[0]
-            call = f"free(block {block.block_number})" + (" again" if op == "double free" else "")
-        try:
-            if op == "allocate":
-                block = pool.allocate()
-                if not isinstance(block, PhysicalTokenBlock):
-                    steps.append((call, f"returned {block!r}, not a PhysicalTokenBlock"))
-                    break
-                if all(block is not b for b in held):
-                    held.append(block)
-                result = f"block {block.block_number}, ref_count {block.ref_count}"
-            elif op == "share":
-                block.ref_count += 1
-                result = f"ref_count {block.ref_count}"
-            else:
-                pool.free(block)
-                result = f"ref_count {block.ref_count}"
-        except OutOfBlocksError:
-            result = "OutOfBlocksError"
-        except ValueError:
-            result = "ValueError"
-        except Exception as e:  # the reader's code: any other error is what it did
-            result = _raised(e)
-        try:
-            free = pool.get_num_free_blocks()
-        except Exception as e:
-            free = f"get_num_free_blocks() raised {type(e).__name__}"
-        steps.append((call, f"{result}; {free} free, free list {_free_list(pool)}"))
-    return steps
-
-
-def allocator_difference(cls: Callable, num_blocks: int, ops: list[str]) -> str | None:
-    """Where ``cls`` first departs from the package's BlockAllocator on a script, or None."""
-    mine, want = play_allocator(cls, num_blocks, ops), play_allocator(BlockAllocator, num_blocks, ops)
-    if mine and mine[0][0].startswith(getattr(cls, "__name__", "cls") + "("):  # the constructor raised
-        return f"{mine[0][0]} {mine[0][1]}"
-    for k, ((call, got), (want_call, expected)) in enumerate(zip(mine, want)):
-        if call != want_call or got != expected:
-            calls = [c for c, _ in mine[:k]]
-            where = (f"a pool of {num_blocks} blocks, after {'..., ' if k > 4 else ''}{'; '.join(calls[-4:])}"
-                     if k else f"a fresh pool of {num_blocks} blocks")
-            if call != want_call:  # an earlier call left another block to act on
-                return f"{where}: the next call is {call} instead of {want_call} ({got})"
-            return f"{where}: {call} -> {got}, expected {expected}"
-    if len(mine) != len(want):
-        return f"a pool of {num_blocks} blocks, calls {ops}: {len(mine)} steps instead of {len(want)}"
-    return None
-
 
 @checker(chapter=2, answer="FreeListAllocator")
 def check_block_allocator(cls: Callable, num_cases: int = 120, seed: int = 0) -> bool:
@@ -190,7 +109,7 @@ def check_block_allocator(cls: Callable, num_cases: int = 120, seed: int = 0) ->
                (3, ["allocate", "allocate", "share", "free", "free", "free"]),  # two owners, then none
                (4, ["allocate", "allocate", "allocate", "free", "free", "allocate", "allocate", "allocate"])]  # FIFO
     while len(scripts) < num_cases:
-        scripts.append(_block_script(rng))
+        scripts.append(random_block_script(rng))
     failures = []
     for num_blocks, ops in scripts:
         difference = allocator_difference(cls, num_blocks, ops)
@@ -206,124 +125,6 @@ def check_block_allocator(cls: Callable, num_cases: int = 120, seed: int = 0) ->
 
 # -- a variant: the lowest number first ---------------------------------------------------------
 
-class _LowestFirstModel:
-    """The rule, kept as plain data: which numbers are free, and each block's owners."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.free = set(range(num_blocks))
-        self.owners = [0] * num_blocks
-
-    def allocate(self) -> int:
-        if not self.free:
-            raise OutOfBlocksError("empty")
-        number = min(self.free)
-        self.free.remove(number)
-        self.owners[number] = 1
-        return number
-
-    def release(self, number: int) -> None:
-        if self.owners[number] == 0:
-            raise ValueError("double free")
-        self.owners[number] -= 1
-        if self.owners[number] == 0:
-            self.free.add(number)
-
-
-class _ModelAllocator:
-    """The model above behind the BlockAllocator interface, for the scheduler runs."""
-
-    def __init__(self, device: Device, block_size: int, num_blocks: int) -> None:
-        self.device, self.block_size, self.num_blocks = device, block_size, num_blocks
-        self.model = _LowestFirstModel(num_blocks)
-        self.blocks = [PhysicalTokenBlock(device, i, block_size) for i in range(num_blocks)]
-
-    def allocate(self) -> PhysicalTokenBlock:
-        block = self.blocks[self.model.allocate()]
-        block.ref_count = 1
-        return block
-
-    def free(self, block: PhysicalTokenBlock) -> None:
-        self.model.owners[block.block_number] = block.ref_count  # forks raise ref_count directly
-        self.model.release(block.block_number)
-        block.ref_count -= 1
-
-    def get_num_free_blocks(self) -> int:
-        return len(self.model.free)
-
-
-def _script(rng: random.Random) -> tuple[int, list[str]]:
-    """A pool size and a short script of calls: allocate, share (a second owner, as fork does),
-    free, and now and then a double free or an allocate on an empty pool."""
-    num_blocks = rng.randint(1, 5)
-    ops = [rng.choice(["allocate", "allocate", "allocate", "share", "free", "free"]) for _ in range(rng.randint(4, 10))]
-    return num_blocks, ops
-
-
-def _run_script(make: Callable, num_blocks: int, ops: list[str], model: bool = False) -> list[str]:
-    """Play a script; each call reports what it returned or raised, and the free count after."""
-    pool = _LowestFirstModel(num_blocks) if model else make(Device.GPU, 4, num_blocks)
-    held: list = []  # handed-out blocks (numbers for the model), oldest first; some freed since
-    refs: list[int] = []  # owners the script believes each handed-out block has
-    trace = []
-    for op in ops:
-        if op == "share":
-            if any(refs):
-                i = max(i for i, r in enumerate(refs) if r)
-                refs[i] += 1
-                if model:
-                    pool.owners[held[i]] += 1
-                else:
-                    held[i].ref_count += 1
-            continue
-        try:
-            if op == "allocate":
-                got = pool.allocate()
-                number = got if model else got.block_number
-                if not model and (got.ref_count != 1 or got.device != Device.GPU):
-                    trace.append(f"allocate -> block {number} with ref_count={got.ref_count}")
-                    continue
-                held.append(got)
-                refs.append(1)
-                result = f"allocate -> {number}"
-            else:
-                # Free the oldest block still owned, or, when none is, the first one again.
-                i = next((i for i, r in enumerate(refs) if r), 0)
-                if not held:
-                    continue
-                block = held[i]
-                number = block if model else block.block_number
-                pool.release(block) if model else pool.free(block)
-                refs[i] = max(0, refs[i] - 1)
-                result = f"free {number}"
-        except OutOfBlocksError:
-            result = f"{op} -> OutOfBlocksError"
-        except ValueError:
-            result = f"{op} -> ValueError"
-        free = len(pool.free) if model else pool.get_num_free_blocks()
-        trace.append(f"{result} (free={free})")
-    return trace
-
-
-def allocator_workloads() -> list[SimWorkload]:
-    """s0/s1/s2 both ways, and a small random workload that swaps (so CPU blocks move too)."""
-    runs = seed_workloads()
-    rng = random.Random(7)
-    requests = [Request(f"r{i}", rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 6)) for i in range(8)]
-    runs.append(("8 random requests, 7 GPU blocks of 3",
-                 requests, SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=18,
-                                           preemption_mode="swap"),
-                 CacheConfig(block_size=3, num_gpu_blocks=7, num_cpu_blocks=8, watermark=0.0)))
-    return runs
-
-
-def run_with_allocator(make: Callable, requests: list[Request], scheduler_config: SchedulerConfig,
-                       cache_config: CacheConfig) -> list[RoundRecord]:
-    """The simulator's rounds, with the scheduler's block manager built on allocator ``make``."""
-    manager = BlockSpaceManager(cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks,
-                                cache_config.watermark, allocator=make)
-    return scheduler_run(requests, scheduler_config, cache_config, block_manager=manager)
-
-
 @checker(chapter=2, answer="LowestFirstAllocator")
 def check_allocator(cls: Callable, num_cases: int = 60, seed: int = 0) -> bool:
     """``cls(device, block_size, num_blocks)``: a BlockAllocator whose ``allocate`` always hands
@@ -337,13 +138,14 @@ def check_allocator(cls: Callable, num_cases: int = 60, seed: int = 0) -> bool:
                (3, ["allocate", "allocate", "share", "free", "allocate", "free", "allocate"]),  # two owners
                (4, ["allocate", "allocate", "allocate", "free", "free", "allocate", "allocate"])]  # holes refill low
     while len(scripts) < num_cases:
-        scripts.append(_script(rng))
+        scripts.append(lowest_first_script(rng))
     cases = []
     for num_blocks, ops in scripts:
-        cases.append(((num_blocks, ops), _run_script(None, num_blocks, ops, model=True)))
-    script_ok = run_cases("LowestFirstAllocator, scripted calls", lambda n, ops: _run_script(cls, n, ops), cases,
+        cases.append(((num_blocks, ops), play_lowest_first(None, num_blocks, ops, model=True)))
+    script_ok = run_cases("LowestFirstAllocator, scripted calls", lambda n, ops: play_lowest_first(cls, n, ops), cases,
                           describe=lambda args: f"{args[0]} blocks, calls {args[1]}")
     engine_ok = check_runs("LowestFirstAllocator in the scheduler", allocator_workloads(),
-                           lambda *w: run_with_allocator(cls, *w), lambda *w: run_with_allocator(_ModelAllocator, *w),
+                           lambda *w: run_with_allocator(cls, *w),
+                           lambda *w: run_with_allocator(LowestFirstModelAllocator, *w),
                            tables=True)
     return script_ok and engine_ok
