@@ -70,5 +70,8 @@ def test_answer_names_are_unique_within_a_chapter():
 def test_every_checker_is_importable_from_the_package_by_its_name():
     for name, entry in CHECKERS.items():
         assert getattr(exercises, name) is entry.check
-        assert entry.check.__module__ == f"tinyserve.exercises.ch{entry.chapter:02d}", \
-            f"{name} lives in {entry.check.__module__}, not in the module named by its chapter"
+        # A chapter's checkers live in its module or in one of its parts (chNN_<exercise>.py).
+        module = entry.check.__module__
+        home = f"tinyserve.exercises.ch{entry.chapter:02d}"
+        assert module == home or module.startswith(home + "_"), \
+            f"{name} lives in {module}, not in a module named by its chapter"

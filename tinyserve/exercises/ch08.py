@@ -5,7 +5,7 @@
   decode batches (block sizes 1 to 16, 5 among them, which is not a power of two; GQA ratios 1 to
   4; head_dim 16, 24 and 32; contexts of one token and contexts that end mid-block; block tables
   out of order; NaN in every slot no sequence owns) at several partition sizes, against dense
-  attention over each sequence's true K/V (``ch07.dense_causal_attention``). A failure names the
+  attention over each sequence's true K/V (``ch07_batches.dense_causal_attention``). A failure names the
   sequence and query head with the largest error, and runs the same batch again with one
   partition per context to say whether the walk or the reduction is wrong. The last case runs
   s0/s1/s2 through the real engine with ``TritonBackend(decode=fn)`` on the tiny model, against
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyserve.exercises.ch07 import dense_causal_attention
+from tinyserve.exercises.ch07_batches import dense_causal_attention
 from tinyserve.exercises.verdict import checker, verdict
 
 
