@@ -22,7 +22,7 @@ from collections.abc import Callable
 from tinyserve import presets
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.exercises.ch03 import answer_name
-from tinyserve.exercises.ch05_round import _error, state_before
+from tinyserve.exercises.ch05_round import _error, random_workloads, state_before
 from tinyserve.exercises.sched_runs import SimWorkload, check_runs, round_run_difference, scheduler_run
 from tinyserve.exercises.verdict import checker, run_cases, verdict
 from tinyserve.scheduler import Scheduler, SchedulerOutputs
@@ -185,23 +185,7 @@ def orca_round_workloads(num_random: int = 24, seed: int = 4) -> list[OrcaWorklo
     roomy = dataclasses.replace(cc, num_gpu_blocks=32)  # the rule, not memory, holds prompts back
     runs.append(("7 requests on 32 GPU blocks of 2, can_admit=at most three sequences running", hooked, sc, roomy,
                  {"can_admit": _at_most_three_running}))
-    rng = random.Random(seed)
-    for i in range(num_random):
-        mode = ("swap", "recompute", None)[i % 3]
-        budget, block_size, gpu = rng.randint(6, 16), rng.choice([2, 4]), rng.randint(4, 10)
-        cpu = rng.choice([0, 2, 4, 16])  # a small swap space fills up: single sequences are recomputed instead
-        limit = min(budget, gpu * block_size)
-        requests = []
-        for j in range(rng.randint(3, 8)):
-            never = rng.random() < 0.15
-            prompt = rng.randint(limit + 1, limit + 6) if never else rng.randint(1, max(1, limit - 2))
-            requests.append(Request(f"r{j}", prompt, rng.randint(1, 10), rng.randint(1, 4)))
-        runs.append((f"random workload {i} ({len(requests)} requests, {gpu} GPU and {cpu} CPU blocks of {block_size}, "
-                     f"budget {budget}, preemption_mode={mode!r})", requests,
-                     SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=rng.randint(2, 5),
-                                     max_model_len=gpu * block_size, policy="orca", preemption_mode=mode),
-                     CacheConfig(block_size=block_size, num_gpu_blocks=gpu, num_cpu_blocks=cpu,
-                                 watermark=rng.choice([0.0, 0.0, 0.2])), {}))
+    runs += random_workloads(random.Random(seed), num_random, ("swap", "recompute", None), min_budget=6, policy="orca")
     return runs
 
 

@@ -52,22 +52,7 @@ def round_workloads() -> list[tuple[str, list[Request], SchedulerConfig, CacheCo
                      SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=4, max_model_len=28, preemption_mode=mode),
                      CacheConfig(block_size=4, num_gpu_blocks=7, num_cpu_blocks=3, watermark=0.0), {}))
     rng = random.Random(7)
-    for i in range(24):
-        mode = ("swap", "recompute")[i % 2]
-        budget, block_size, gpu = rng.randint(8, 16), rng.choice([2, 4]), rng.randint(4, 10)
-        cpu = rng.choice([0, 2, 4, 16])  # a small swap space fills up: single sequences are recomputed instead
-        limit = min(budget, gpu * block_size)
-        requests = []
-        for j in range(rng.randint(3, 8)):
-            never = rng.random() < 0.15
-            prompt = rng.randint(limit + 1, limit + 6) if never else rng.randint(1, max(1, limit - 2))
-            requests.append(Request(f"r{j}", prompt, rng.randint(1, 10), rng.randint(1, 4)))
-        runs.append((f"random workload {i} ({len(requests)} requests, {gpu} GPU and {cpu} CPU blocks of {block_size}, "
-                     f"budget {budget}, preemption_mode={mode!r})", requests,
-                     SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=rng.randint(2, 5),
-                                     max_model_len=gpu * block_size, preemption_mode=mode),
-                     CacheConfig(block_size=block_size, num_gpu_blocks=gpu, num_cpu_blocks=cpu,
-                                 watermark=rng.choice([0.0, 0.0, 0.2])), {}))
+    runs += random_workloads(rng, 24, ("swap", "recompute"), min_budget=8)
     # Older requests bring longer prompts, so the group with the most tokens is rarely the newest.
     hooked = [Request(f"r{j}", 8 - j, 10, 1 + j // 3) for j in range(7)]
     sc = SchedulerConfig(max_num_batched_tokens=12, max_num_seqs=6, max_model_len=16, preemption_mode="swap")
@@ -214,3 +199,27 @@ def round_failures(cls: type, workloads: list, culprits: Callable[[type, tuple, 
         if stuck:
             break
     return failures
+
+
+def random_workloads(rng: random.Random, count: int, modes: tuple, min_budget: int, **scheduler_fields) -> list:
+    """``count`` random workloads on tiny caches (the mode of the i-th is ``modes[i % len(modes)]``),
+    as the round checkers' runs: (name, requests, scheduler config, cache config, no hooks). About
+    one prompt in seven can never run, and a small swap space makes single sequences recompute."""
+    runs = []
+    for i in range(count):
+        mode = modes[i % len(modes)]
+        budget, block_size, gpu = rng.randint(min_budget, 16), rng.choice([2, 4]), rng.randint(4, 10)
+        cpu = rng.choice([0, 2, 4, 16])
+        limit = min(budget, gpu * block_size)
+        requests = []
+        for j in range(rng.randint(3, 8)):
+            never = rng.random() < 0.15
+            prompt = rng.randint(limit + 1, limit + 6) if never else rng.randint(1, max(1, limit - 2))
+            requests.append(Request(f"r{j}", prompt, rng.randint(1, 10), rng.randint(1, 4)))
+        runs.append((f"random workload {i} ({len(requests)} requests, {gpu} GPU and {cpu} CPU blocks of {block_size}, "
+                     f"budget {budget}, preemption_mode={mode!r})", requests,
+                     SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=rng.randint(2, 5),
+                                     max_model_len=gpu * block_size, preemption_mode=mode, **scheduler_fields),
+                     CacheConfig(block_size=block_size, num_gpu_blocks=gpu, num_cpu_blocks=cpu,
+                                 watermark=rng.choice([0.0, 0.0, 0.2])), {}))
+    return runs
