@@ -224,7 +224,12 @@ class LLMEngine:
         """Split the executor's logits: the rows after the sampled ones are prompt positions that
         requests with ``prompt_logprobs`` asked for; their logprobs go into those requests'
         outputs. Returns the sampled rows alone (all of ``logits`` when no request asked). Reads
-        the round's positions from ``num_computed_tokens``: they must not have advanced yet."""
+        the round's positions from ``num_computed_tokens``: they must not have advanced yet.
+
+        Positions already collected are skipped: a prompt preempted by recompute mid-prefill
+        starts over from position 0 in chunks that need not line up with what was collected, so
+        a chunk that ends past the collected end contributes its tail, one entirely collected
+        contributes nothing (the same weights on the same tokens give the same logprobs)."""
         spans = prompt_logprob_spans(metas)
         if not spans:
             return logits
@@ -232,14 +237,22 @@ class LLMEngine:
         rows = logits[num_sampled:]
         offset = 0
         for span in spans:
-            num = span.stop - span.start
-            collected = self._groups[span.meta.request_id].prompt_logprobs
-            # In order, chunk after chunk; a recomputed prompt repeats positions already collected.
-            if collected is not None and len(collected) == span.start + 1:
-                next_tokens = span.seq.prompt_token_ids[span.start + 1:span.stop + 1]
-                collected += prompt_logprob_dicts(rows[offset:offset + num], next_tokens,
-                                                  span.meta.sampling_params.prompt_logprobs)
-            offset += num
+            group = self._groups[span.meta.request_id]
+            collected = group.prompt_logprobs
+            # collected[i] is prompt token i's entry, read at position i - 1: the next position
+            # wanted is len(collected) - 1.
+            wanted = len(collected) - 1 if collected is not None else span.stop
+            if wanted < span.start:
+                # A gap would misplace every later entry. None is possible today (requests with
+                # prompt_logprobs take no prefix-cache hit); should one appear, the request fails
+                # loudly rather than answer with prompt logprobs silently missing.
+                self.fail(group, f"prompt logprobs are missing from position {wanted}: "
+                                 f"this round starts at position {span.start}")
+            elif wanted < span.stop:
+                next_tokens = span.seq.prompt_token_ids[wanted + 1:span.stop + 1]
+                collected += prompt_logprob_dicts(rows[offset + wanted - span.start:offset + span.stop - span.start],
+                                                  next_tokens, span.meta.sampling_params.prompt_logprobs)
+            offset += span.stop - span.start
         return logits[:num_sampled]
 
     def fork(self, group: SequenceGroup, parent: Sequence, token: int,
