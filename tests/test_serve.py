@@ -179,7 +179,7 @@ def test_a_client_that_gives_up_on_a_plain_request_leaves_no_blocks_allocated(se
     (json.dumps(completion("x", frequency_penalty=2.5)).encode(), "frequency_penalty"),  # outside [-2, 2]
     (json.dumps(completion("x", temprature=0.5)).encode(), "temprature"),  # a typo is not ignored
     (json.dumps(completion([10**9])).encode(), "prompt"),
-    (json.dumps(completion(["a", "b"])).encode(), "prompt"),
+    (json.dumps(completion([["a"], ["b"]])).encode(), "prompt"),  # a list of prompts is served (issue 36)
 ])
 def test_bad_requests_get_a_400_with_an_openai_error_body(served, body, param):
     _, server, _, _ = served

@@ -220,7 +220,7 @@ def test_a_chat_template_that_raises_is_a_400_with_its_own_message(alternating_s
     with httpx.Client(base_url=server.url, timeout=30) as client:
         error = error_of(post(client, "/v1/chat/completions", chat([{"role": "user", "content": "a"},
                                                                      {"role": "user", "content": "b"}])))
-        assert error["param"] == "messages"
+        assert error["param"] == "messages.1"  # the message the template fails on (issue 36)
         assert "Conversation roles must alternate user/assistant/user/assistant/..." in error["message"]
         r = post(client, "/v1/chat/completions", chat([{"role": "user", "content": "a"}]))  # alternates: served
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -355,11 +355,11 @@ def test_the_developer_role_is_system_for_a_template_that_does_not_know_it(serve
     ("/v1/completions", {"logprobs": True}, "logprobs"),
     ("/v1/completions", {"logit_bias": {"5": "x"}}, "logit_bias.5"),
     ("/v1/chat/completions", {"max_tokens": "4"}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages.0.name"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "y": 1}]}]},
      "messages.0.content.0.y"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 1025}, "messages"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # OpenAI's limit is 20
     ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
@@ -367,7 +367,7 @@ def test_the_developer_role_is_system_for_a_template_that_does_not_know_it(serve
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-    ("/v1/chat/completions", {"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("/v1/chat/completions", {"parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ("/v1/chat/completions", {"functions": []}, "functions"),
     ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),

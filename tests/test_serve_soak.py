@@ -88,7 +88,7 @@ def invalid_specs(limits) -> list[dict]:
         ("/v1/completions", {**text, "prompt": [True, False]}, 400),
         ("/v1/completions", {**text, "stream": True, "stream_options": {"include_usage": "no"}}, 400),
         ("/v1/completions", {**text, "logprobs": 6}, 400),
-        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x", "name": "bob"}]}, 400),
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x", "name": 5}]}, 400),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": ""}] * 2000}, 400),
         ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
          400),

@@ -12,14 +12,18 @@ The server is a few small pieces:
   text never turned into control tokens; ``streaming``: OpenAI's chunk format
   (server-sent events ending with ``data: [DONE]``) from the engine's delta outputs, and a
   response that aborts a request whose client stops reading.
-- ``app.create_app``: the FastAPI app with ``/v1/completions``, ``/v1/chat/completions`` (the
-  model's chat template), ``/v1/models``, ``/health`` and ``/metrics``. A client that disconnects
+- ``app.create_app``: the FastAPI app with ``/v1/completions`` (a list of prompts answered by
+  ``prompt_list``), ``/v1/chat/completions`` (the model's chat template), ``/v1/models``,
+  ``/health`` and ``/metrics``; ``tokenizer_routes`` adds vLLM's ``/tokenize``, ``/detokenize``,
+  ``/tokenizer_info``, ``/version`` and ``/v1/models/{id}``. A client that disconnects
   has its request aborted, which frees its blocks; invalid requests get a 400 with OpenAI's error
-  body. Prompts are tokenized on a thread of their own, never the engine's.
+  body. Prompts are tokenized on a thread of their own, never the engine's; ``jsonbody`` builds
+  and encodes a plain answer off the event loop and sends it in chunks.
 - ``metrics``: the engine's queues, cache usage and counters for Prometheus, under vLLM's names.
 - ``settings.ServerSettings``: the server's limits, timeouts and protections, in one place;
   ``guard`` enforces the per-request ones (API key, Host, JSON only, body deadline),
-  ``connections`` the per-connection ones (uvicorn's h11 protocol with head and body timeouts),
+  ``connections`` the per-connection ones (uvicorn's h11 protocol with head and body timeouts,
+  and a stall timeout on any answer left unread),
   and ``floodlog`` keeps a flood of identical failures from flooding the log.
 
 ``cli`` is the command line; ``app.ServerThread`` runs the app in a background thread for tests

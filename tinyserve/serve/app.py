@@ -31,20 +31,24 @@ from starlette.exceptions import HTTPException
 from tinyserve.engine import LLMEngine, RequestOutput
 from tinyserve.sequence import SamplingParams
 from tinyserve.serve.bodies import APIError, RequestLimits, invalid_fields, parse_body
-from tinyserve.serve.chat import check_message_count, prompt_ids
+from tinyserve.serve.chat import TemplateOptions, check_message_count, prompt_ids
 from tinyserve.serve.choices import ChoiceFormat, token_texts
 from tinyserve.serve.connections import uvicorn_options
 from tinyserve.serve.guard import Guard
+from tinyserve.serve.jsonbody import json_answer
 from tinyserve.serve.latency import RequestLatencies
 from tinyserve.serve.loop import EngineLoop
 from tinyserve.serve.mailbox import Mailbox
 from tinyserve.serve.metrics import EngineStats, make_registry
+from tinyserve.serve.prompt_list import Prompt, respond_to_list
 from tinyserve.serve.protocol import (
+    MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
     chat_messages,
     check_ranges,
+    drop_unknown_fields,
     field_named,
     output_error,
     reject_unsupported,
@@ -53,16 +57,19 @@ from tinyserve.serve.protocol import (
 )
 from tinyserve.serve.settings import ServerSettings
 from tinyserve.serve.streaming import StallGuardedStream, stream_events
+from tinyserve.serve.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("tinyserve.serve")
 
 
 def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes: int | None = None,
-               settings: ServerSettings | None = None) -> FastAPI:
+               settings: ServerSettings | None = None, ignore_unknown_fields: bool = False) -> FastAPI:
     """The FastAPI app serving ``engine``; its lifespan starts and stops the engine loop.
 
     ``max_body_bytes`` defaults to what the longest prompt that could fit needs (``RequestLimits``);
-    ``settings`` are the server's limits and protections (``ServerSettings()`` by default)."""
+    ``settings`` are the server's limits and protections (``ServerSettings()`` by default);
+    ``ignore_unknown_fields`` logs and ignores fields the request schema does not know (vLLM's
+    way) instead of refusing them by name."""
     settings = settings or ServerSettings()
     name = model_name or Path(str(engine.model_config.model)).name
     max_model_len = engine.scheduler_config.max_model_len
@@ -137,6 +144,13 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "tinyserve",
                                             "max_model_len": max_model_len}]}
 
+    def known_fields(data: dict, model) -> None:
+        """With ``ignore_unknown_fields``, drop the fields the schema does not know, with a warning."""
+        if ignore_unknown_fields:
+            dropped = drop_unknown_fields(data, model)
+            if dropped:
+                log.warning("ignoring unknown fields in a request: %s", ", ".join(dropped))
+
     def check_request(body: SamplingFields) -> None:
         if body.model not in (None, name):
             raise APIError(f"The model `{body.model}` does not exist; this server serves `{name}`.",
@@ -178,44 +192,73 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
             top = (body.top_logprobs or 0) if body.logprobs else None
         else:
             top = body.logprobs
-        if top is not None and "texts" not in state:
+        prompt_top = None if chat else body.prompt_logprobs
+        if (top is not None or prompt_top is not None) and "texts" not in state:
             state["texts"] = await off_the_engine(token_texts, tokenizer)
         echo = None
         if not chat and body.echo:
             echo = prompt if prompt is not None else await off_the_engine(tokenizer.decode, ids)
-        return ChoiceFormat(chat, top, state.get("texts"), echo, echo_only=echo is not None and body.max_tokens == 0)
+        return ChoiceFormat(chat, top, state.get("texts"), echo, echo_only=echo is not None and body.max_tokens == 0,
+                            prompt_top=prompt_top)
+
+    def truncated(ids: list[int], body: SamplingFields) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: keep the prompt's last k tokens."""
+        k = body.truncate_prompt_tokens
+        return ids if k is None or len(ids) <= k else ids[-k:]
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await parse_body(request, CompletionRequest, limits.max_body_bytes)
+        body = await parse_body(request, CompletionRequest, limits.max_body_bytes,
+                                before=lambda data: known_fields(data, CompletionRequest))
         check_request(body)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError("only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            limits.check_prompt_chars(len(prompt), "prompt")
-            ids = await off_the_engine(tokenizer.encode, prompt)
-        else:
-            ids = list(prompt)
-        max_tokens = check_length(len(ids), body.max_tokens, "prompt")
-        params = to_sampling_params(body, max_tokens)
-        ids = validate_ids(ids)
-        fmt = await choice_format(body, False, prompt if isinstance(prompt, str) else None, ids)
-        return await _respond(request, state["loop"], f"cmpl-{uuid.uuid4().hex}", ids, params, body, fmt, name=name)
+        # One prompt (text or ids), or a list of them: each is checked as a request of its own.
+        prompts = body.prompt
+        is_list = isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], (str, list))
+        prompts = prompts if is_list else [prompts]
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError(f"{len(prompts)} prompts in one request, more than this server accepts ({MAX_PROMPTS})",
+                           param="prompt")
+        where = [f"prompt.{i}" if is_list else "prompt" for i in range(len(prompts))]
+        for prompt, param in zip(prompts, where):
+            if isinstance(prompt, str):
+                limits.check_prompt_chars(len(prompt), param)
+        special = body.add_special_tokens is not False  # vLLM's default for completions: True
+        all_ids = await off_the_engine(lambda: [tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str)
+                                                else list(p) for p in prompts])
+        ready = []
+        for prompt, ids, param in zip(prompts, all_ids, where):
+            if body.truncate_prompt_tokens is not None and len(ids) > body.truncate_prompt_tokens:
+                ids, prompt = truncated(ids, body), None  # the echo is the truncated prompt, decoded
+            max_tokens = check_length(len(ids), body.max_tokens, param)
+            params = to_sampling_params(body, max_tokens)
+            ids = validate_ids(ids)
+            fmt = await choice_format(body, False, prompt if isinstance(prompt, str) else None, ids)
+            ready.append(Prompt(ids, params, fmt))
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        if len(ready) > 1:
+            return await respond_to_list(request, state["loop"], request_id, ready, body, name,
+                                         settings.stall_timeout_s)
+        only = ready[0]
+        return await _respond(request, state["loop"], request_id, only.ids, only.params, body, only.fmt, name=name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         # Counted on the parsed JSON: 30,000 messages are refused before pydantic builds them.
-        body = await parse_body(request, ChatCompletionRequest, limits.max_body_bytes,
-                                before=lambda data: check_message_count(data, settings.max_messages))
+        def before(data: dict) -> None:
+            check_message_count(data, settings.max_messages)
+            known_fields(data, ChatCompletionRequest)
+
+        body = await parse_body(request, ChatCompletionRequest, limits.max_body_bytes, before=before)
         check_request(body)
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(f"the model `{name}` has no chat template; use /v1/completions", param="messages")
         messages = chat_messages(body.messages)
+        options = TemplateOptions(body.add_generation_prompt, body.continue_final_message,
+                                  dict(body.chat_template_kwargs or {}), body.add_special_tokens is True)
         # Checked for size before and after rendering, then tokenized (chat.py): all off the loop.
-        ids = await off_the_engine(prompt_ids, tokenizer, messages, limits, settings.special_tokens_in_content)
+        ids = await off_the_engine(prompt_ids, tokenizer, messages, limits, settings.special_tokens_in_content,
+                                   options)
+        ids = truncated(ids, body)
         max_tokens = check_length(len(ids), body.max_completion_tokens or body.max_tokens, "messages")
         params = to_sampling_params(body, max_tokens)
         ids = validate_ids(ids)
@@ -223,6 +266,8 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
         return await _respond(request, state["loop"], f"chatcmpl-{uuid.uuid4().hex}", ids, params, body, fmt,
                               name=name)
 
+    add_tokenizer_routes(app, name, tokenizer, max_model_len, vocab_size, limits, settings, off_the_engine,
+                         ignore_unknown_fields)
     return app
 
 
@@ -276,9 +321,15 @@ async def _respond(request: Request, loop: EngineLoop, request_id: str, ids: lis
             return JSONResponse({}, status_code=499)
     if out.error:
         raise output_error(out)
-    choices = [fmt.choice(out, c) for c in out.outputs]
-    return {"id": request_id, "object": "chat.completion" if fmt.chat else "text_completion", "created": created,
-            "model": name, "choices": choices, "usage": usage(out, fmt.completion_tokens(out))}
+
+    def answer() -> dict:
+        # Megabytes with n and logprobs: built and encoded off the loop, and one choice at a time
+        # (a generator), so that the garbage collector never walks the whole answer (jsonbody.py).
+        choices = (fmt.choice(out, c) for c in out.outputs)
+        return {"id": request_id, "object": "chat.completion" if fmt.chat else "text_completion",
+                "created": created, "model": name, "choices": choices, "usage": usage(out, fmt.completion_tokens(out))}
+
+    return await json_answer(answer)
 
 
 class ServerThread:

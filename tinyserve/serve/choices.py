@@ -11,6 +11,10 @@ the chosen token). OpenAI writes them differently for the two endpoints:
 - chat (``logprobs: true``, ``top_logprobs: k``): ``{"content": [{"token", "logprob", "bytes",
   "top_logprobs": [...]}]}``, the k likeliest alternatives as a list.
 
+vLLM's ``prompt_logprobs: k`` (completions) adds a ``prompt_logprobs`` list to each choice: null for
+the first prompt token, then ``{token_id: {"logprob", "rank", "decoded_token"}}`` per token, the
+rank counted among the entries the engine returned (null for a chosen token outside the top k).
+
 Token texts come from ``token_texts``, every token decoded once: building an answer must not
 use the server's tokenizer, which serves one thread only.
 """
@@ -46,6 +50,7 @@ class ChoiceFormat:
     texts: list[str] | None = None  # token_texts(tokenizer), needed when top is not None
     echo: str | None = None
     echo_only: bool = False
+    prompt_top: int | None = None  # vLLM's prompt_logprobs (completions only)
 
     def text_and_entries(self, out: RequestOutput, c: CompletionOutput,
                          with_echo: bool) -> tuple[str, list[int], list | None]:
@@ -86,7 +91,25 @@ class ChoiceFormat:
         """A whole choice of a non-streamed answer."""
         text, ids, entries = self.text_and_entries(out, c, with_echo=self.echo is not None)
         body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return {"index": c.index, **body, "logprobs": self.logprobs(ids, entries), "finish_reason": c.finish_reason}
+        choice = {"index": c.index, **body, "logprobs": self.logprobs(ids, entries), "finish_reason": c.finish_reason}
+        if self.prompt_top is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(out)
+        return choice
+
+    def prompt_logprobs(self, out: RequestOutput) -> list | None:
+        """vLLM's ``prompt_logprobs`` of a request (see the module's docstring)."""
+        if out.prompt_logprobs is None:
+            return None
+        written = []
+        for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs):
+            if entry is None:
+                written.append(None)
+                continue
+            ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:self.prompt_top]
+            ranks = {t: r for r, (t, _) in enumerate(ranked, 1)}
+            written.append({str(t): {"logprob": _finite(v), "rank": ranks.get(t), "decoded_token": self.texts[t]}
+                            for t, v in entry.items() if t in ranks or t == token})
+        return written
 
     def completion_tokens(self, out: RequestOutput) -> int:
         """The tokens an answer returns (with max_tokens=0 and echo, the one generated is dropped)."""

@@ -1,24 +1,30 @@
 """``python -m tinyserve.serve``: load a model and serve it over HTTP (loopback by default).
 
 Every flag is checked here, before the model loads: a typo in ``--port`` or ``--swap-space``
-is an error naming the flag at once, not after a minute of loading. The server's own flags
-become a ``ServerSettings``; uvicorn gets its options from ``connections.uvicorn_options``, as
-``ServerThread`` does. torch, FastAPI and uvicorn are imported only once the flags are parsed
-(``_RUNTIME``), so ``--help`` and a bad flag answer in a fraction of a second.
+is an error naming the flag at once, not after a minute of loading; so is a flag the model's
+``config.json`` refuses (``--max-model-len``, ``--block-size``, ``--num-gpu-blocks``:
+``check_model_flags``). The server's own flags become a ``ServerSettings``; uvicorn gets its
+options from ``connections.uvicorn_options``, as ``ServerThread`` does. torch, FastAPI and
+uvicorn are imported only once the flags are parsed (``_RUNTIME``), so ``--help`` and a bad
+flag answer in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
+import json
 import logging
 import math
 import os
+import re
 import socket
 import sys
+from pathlib import Path
 
 from tinyserve.__main__ import HelpFormatter  # the demo's: plain text, every option's default
-from tinyserve.config import DTYPE_NAMES, POLICIES
+from tinyserve.config import DTYPE_NAMES, POLICIES, SchedulerConfig
 from tinyserve.serve.settings import ServerSettings
 
 log = logging.getLogger("tinyserve.serve")
@@ -203,11 +209,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=seconds, default=d.shutdown_timeout_s,
                    help="seconds Ctrl-C waits for open requests before cancelling them")
     g.add_argument("--stall-timeout", type=seconds, default=d.stall_timeout_s,
-                   help="abort a stream whose client has read nothing for this many seconds")
+                   help="abort a stream, or cut off a plain answer, whose client has read nothing for this many "
+                        "seconds")
     g.add_argument("--max-messages", type=positive_int, default=d.max_messages, help="messages in one chat request")
     g.add_argument("--special-tokens-in-content", action="store_true",
                    help="read special-token text in chat content as control tokens, as vLLM does "
                         "(default: off, plain text)")
+    g.add_argument("--ignore-unknown-fields", action="store_true",
+                   help="log and ignore request fields the schema does not know, as vLLM does "
+                        "(default: refuse them by name, so a typo never changes an answer silently)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-level", type=str.lower, default="info", choices=LOG_LEVELS,
@@ -239,9 +249,58 @@ def engine_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def model_config_json(model: str) -> dict:
+    """The model's ``config.json`` as a dict: its configuration, never its weights. A local
+    directory is read at once; the default model goes through the loader (which converts it
+    on first use, as loading would) and a bad name gets the loader's error."""
+    path = Path(model).expanduser()
+    if model == "smollm2-135m" or not (path / "config.json").is_file():
+        from tinyserve.models.loader import resolve_model_dir
+
+        path = resolve_model_dir(model)
+    return json.loads((path / "config.json").read_text())
+
+
+def check_model_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, as argparse refuses a bad flag (usage, the flag's name, exit status 2), the flags
+    whose limits come from the model's config and the engine's rules: checked here, from
+    ``config.json``, so a mistake costs no weight loading (seconds here, minutes for a large
+    model). The engine checks the same again (``check_max_model_len``, ``CacheEngine.check_capacity``,
+    ``SchedulerConfig``)."""
+    try:
+        config = model_config_json(args.model)
+    except (OSError, ValueError) as e:
+        p.error(f"argument --model: {e}")
+    limit = config.get("max_position_embeddings")
+    if args.max_model_len is not None and limit is not None and args.max_model_len > limit:
+        p.error(f"argument --max-model-len: {args.max_model_len} is longer than the model's "
+                f"max_position_embeddings ({limit}, in its config.json)")
+    max_model_len = args.max_model_len or limit
+    if max_model_len is None:
+        return  # the config names no limit: the engine decides once the model is in
+    where = "--max-model-len" if args.max_model_len else "the model's max_position_embeddings"
+    if args.block_size > max_model_len:
+        p.error(f"argument --block-size: a block of {args.block_size} tokens is longer than the longest "
+                f"sequence ({max_model_len} tokens, {where}), so it is never filled")
+    if args.num_gpu_blocks is not None and args.num_gpu_blocks * args.block_size < max_model_len:
+        p.error(f"argument --num-gpu-blocks: {args.num_gpu_blocks} blocks of {args.block_size} tokens "
+                f"(--block-size) hold {args.num_gpu_blocks * args.block_size} tokens, fewer than one sequence "
+                f"of {max_model_len} ({where}): give at least {-(-max_model_len // args.block_size)} blocks "
+                f"or lower --max-model-len")
+    try:  # the round's budgets against each other and the context limit, as the engine will check them
+        SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                        max_model_len=max_model_len, policy=args.policy,
+                        enable_chunked_prefill=args.enable_chunked_prefill)
+    except ValueError as e:
+        p.error(re.sub(r"\b(max_num_batched_tokens|max_num_seqs|max_model_len)\b",
+                       lambda m: "--" + m.group(1).replace("_", "-"), str(e)))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Build the engine from the flags and run the server until interrupted."""
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    check_model_flags(p, args)  # before anything heavy is imported or loaded
     settings = server_settings(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach it can use the model", args.host)
@@ -252,5 +311,12 @@ def main(argv: list[str] | None = None) -> None:
         log.warning("%s", short)
     llm = runtime.LLM(args.model, **engine_options(args))
     name = args.served_model_name or (args.model if args.model == "smollm2-135m" else None)
-    app = runtime.create_app(llm.engine, name, settings=settings)
+    # Passed only when asked for, so that create_app's plain call (and its stand-ins in the tests) stay as they were.
+    lax = {"ignore_unknown_fields": True} if args.ignore_unknown_fields else {}
+    app = runtime.create_app(llm.engine, name, settings=settings, **lax)
+    # The model and the imports are never garbage: frozen, a full collection (which stops every
+    # thread, /health's included) skips them, as vLLM's server does. Here only, not in
+    # create_app, where it would freeze a test process's heap with every server it starts.
+    gc.collect()
+    gc.freeze()
     runtime.uvicorn.run(app, **runtime.uvicorn_options(settings, args.host, args.port, args.log_level))

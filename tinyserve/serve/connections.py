@@ -13,15 +13,25 @@ two timers, closes them:
   408 from ``guard.Guard`` at that moment; this timer, a second later, closes the connection
   whatever happens, say when the app answered early and nobody reads the rest of the body.
 
-Once the request is in, nothing here limits how long its answer takes (a stream to a client that
-stops reading has its own guard, ``streaming.StallGuardedStream``). ``uvicorn_options`` gives
-both the command line and ``app.ServerThread`` the same uvicorn settings; ``fit_open_files``
-makes room for ``max_connections`` under the process's open-file limit.
+Once the request is in, nothing here limits how long its answer takes to produce, but a third
+timer bounds how long the client may leave it unread (``stall_timeout_s``). Every answer, a
+plain one as much as a stream, goes into the transport's buffer, and whatever the kernel does
+not take waits there. A client that reads nothing would keep that buffer, and its connection,
+for ever: closing a transport waits for its buffer to drain, so even the keep-alive timer frees
+nothing. So whenever bytes wait for the client (the answer is complete, or the buffer is past
+its high-water mark), they are timed: a client that has taken less than ``STALL_PROGRESS_BYTES``
+(or all that waits) within ``stall_timeout_s`` has its connection aborted, the buffer dropped,
+and its slot freed. A stream's writes wait on the same buffer and have their own guard too
+(``streaming.StallGuardedStream``, which aborts the request).
+
+``uvicorn_options`` gives both the command line and ``app.ServerThread`` the same uvicorn
+settings; ``fit_open_files`` makes room for ``max_connections`` under the process's open-file limit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -31,22 +41,34 @@ from tinyserve.serve.settings import ServerSettings
 
 BODY_GRACE_S = 1.0  # so that the app's 408 for a late body goes out before this closes the connection
 OPEN_FILES_HEADROOM = 64  # descriptors the process needs besides its connections: model files, logs, pipes
+# What a client must take of a waiting answer in each stall timeout (or all of it, if less waits):
+# asyncio's span between its high- and low-water marks, what a stream's blocked write needs.
+STALL_PROGRESS_BYTES = 48 * 1024
+
+log = logging.getLogger("tinyserve.serve")
 
 
 class TimedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose request head or body is late.
+    """uvicorn's h11 protocol, closing a connection whose request head or body is late, or
+    whose client leaves its answer unread.
 
-    It relies on uvicorn's ``data_received``, ``on_response_complete``, ``connection_lost``,
-    ``conn`` (the h11 connection) and ``timeout_keep_alive_task``; tests/test_serve_guard.py
-    fails if an upgrade changes them."""
+    It relies on uvicorn's ``data_received``, ``on_response_complete``, ``pause_writing``,
+    ``resume_writing``, ``connection_lost``, ``conn`` (the h11 connection) and
+    ``timeout_keep_alive_task``; tests/test_serve_guard.py and tests/test_serve_body_stall.py
+    fail if an upgrade changes them."""
 
     header_timeout_s: float = ServerSettings.header_timeout_s
     body_timeout_s: float = ServerSettings.body_timeout_s
+    stall_timeout_s: float = ServerSettings.stall_timeout_s
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._timer: asyncio.TimerHandle | None = None
         self._waiting_for: str | None = None  # "head" or "body": what the timer runs for
+        self._stall_timer: asyncio.TimerHandle | None = None  # runs while answer bytes wait for the client
+        self._stall_mark = 0  # bytes waiting when the stall timer started
+        self._resumed = False  # the buffer fell below its low-water mark since then
+        self._lost = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -59,9 +81,22 @@ class TimedH11Protocol(H11Protocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._follow()
+        self._watch_writes()  # the answer is all in the buffer: the client must now take it
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._watch_writes()  # past the high-water mark: the client is behind
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._resumed = True
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         self._wait_for(None)
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
         super().connection_lost(exc)
 
     def _follow(self) -> None:
@@ -94,11 +129,33 @@ class TimedH11Protocol(H11Protocol):
             self.logger.debug("closing a connection whose request %s was late", self._waiting_for)
             self.transport.close()  # connection_lost tells a running app its client is gone
 
+    def _watch_writes(self) -> None:
+        """Time the client's reading, if answer bytes wait for it and no timer runs yet."""
+        if self._stall_timer is None and not self._lost and self.transport.get_write_buffer_size() > 0:
+            self._stall_mark, self._resumed = self.transport.get_write_buffer_size(), False
+            self._stall_timer = self.loop.call_later(self.stall_timeout_s, self._stalled_or_not)
+
+    def _stalled_or_not(self) -> None:
+        self._stall_timer = None
+        if self._lost:
+            return
+        left = self.transport.get_write_buffer_size()
+        if left == 0:
+            return  # all taken; the next pause or answer starts the timer again
+        if self._resumed or self._stall_mark - left >= min(self._stall_mark, STALL_PROGRESS_BYTES):
+            self._watch_writes()  # the client is reading: time the next stretch
+            return
+        log.warning("closed a connection whose client left %d bytes of its answer unread for %.0f s", left,
+                    self.stall_timeout_s)
+        # Not close(): that would wait for the buffer to drain, which is what never happens.
+        self.transport.abort()  # connection_lost follows: the slot is freed, a running app sees a disconnect
+
 
 def timed_protocol(settings: ServerSettings) -> type[TimedH11Protocol]:
     """``TimedH11Protocol`` with the timeouts of ``settings`` (uvicorn takes a class, not an instance)."""
     return type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout_s": settings.header_timeout_s,
-                                                           "body_timeout_s": settings.body_timeout_s})
+                                                           "body_timeout_s": settings.body_timeout_s,
+                                                           "stall_timeout_s": settings.stall_timeout_s})
 
 
 def uvicorn_options(settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
@@ -112,7 +169,9 @@ def uvicorn_options(settings: ServerSettings, host: str = "127.0.0.1", port: int
         "http": timed_protocol(settings),
         "ws": "none",  # nothing here speaks WebSocket; an upgraded connection would escape the timers
         "timeout_keep_alive": settings.keep_alive_timeout_s,
-        "limit_concurrency": settings.max_connections,
+        # uvicorn refuses a request once the open connections, its own included, reach the limit:
+        # N would serve N - 1. One more lets N connections in, and the N + 1st gets the 503.
+        "limit_concurrency": settings.max_connections + 1,
         # Ctrl-C waits this long for open requests, then cancels them; the engine loop then aborts
         # whatever is left. Without it uvicorn waits for every connection, forever.
         "timeout_graceful_shutdown": settings.shutdown_timeout_s,

@@ -4,14 +4,19 @@ Request bodies are pydantic models with OpenAI's field names. Unknown fields are
 every level (in a message and in ``stream_options`` too), so a typo is an error rather than a
 silently ignored setting; every field has a strict type (``"4"`` is not a number, ``true`` is
 not 1) and a range: a value outside it is a 400 naming the field before the engine ever sees
-the request (one bad request must never reach a step that all the others share). OpenAI fields
-tinyserve does not implement are refused by name unless they ask for nothing. ``usage`` and ``output_error`` read an
+the request (one bad request must never reach a step that all the others share). Every field of
+OpenAI's chat and completions requests is known: implemented, accepted as a no-op when it never
+changes the answer (``store``, ``metadata``, ``service_tier``, ``user``, ``parallel_tool_calls``,
+``prediction``), or refused by name when it would change the answer and is not implemented
+(``UNIMPLEMENTED``: any value but the ones that ask for nothing is a 400 naming the field).
+docs/serving_fields.md lists them all, with vLLM's extras. ``usage`` and ``output_error`` read an
 answer's token counts and the error a finished request is answered with; the streamed chunks are
 ``streaming.py``'s.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Annotated, Any, Literal
 
@@ -29,8 +34,15 @@ MAX_SEED = 2**63 - 1  # torch generators take a signed 64-bit seed
 MAX_INT32 = 2**31 - 1
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 16, 256, 256
 MAX_N = 16
+MAX_PROMPTS = 1024  # prompts in one completions request (each is a request of its own in the engine)
 # OpenAI's limits: completions return at most 5 top logprobs per token, chat at most 20.
 MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20
+MAX_PROMPT_LOGPROBS = 20  # vLLM's prompt_logprobs: the engine's own bound (sampling_params.MAX_LOGPROBS)
+# OpenAI's bounds on ``metadata``: 16 pairs, keys of at most 64 characters, values of 512.
+MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+MetadataKey = Annotated[str, StringConstraints(max_length=MAX_METADATA_KEY)]
+MetadataValue = Annotated[str, StringConstraints(max_length=MAX_METADATA_VALUE)]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], Field(max_length=MAX_METADATA)]
 
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
@@ -52,6 +64,7 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool = True  # OpenAI pads streamed chunks against side channels: a no-op here
 
 
 class SamplingFields(BaseModel):
@@ -70,7 +83,31 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    # No-ops: they ask OpenAI to store, label, bill or cache the request, never for other tokens.
     user: str | None = None
+    store: bool | None = None
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    # vLLM's extras: how the prompt is tokenized (None: the endpoint's default), which of its
+    # tokens are kept, and the prompt's own logprobs.
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
+    # Refused by name unless off (UNIMPLEMENTED): the sampler has no token mask or bias yet, and
+    # the engine's detokenizer always skips special tokens.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    use_beam_search: bool = False
     top_k: int = Field(-1, ge=-1)  # extensions, as vLLM offers them; the vocabulary bounds top_k
     ignore_eos: bool = False
     stop_token_ids: StopTokenIds | None = None
@@ -103,21 +140,65 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class ChatMessage(BaseModel):
-    """One message. Its content is a string or a list of text parts (``chat_messages`` reads them);
-    other OpenAI message fields (``name``, ``tool_calls``) are refused as unknown."""
+class FunctionCall(BaseModel):
+    """The function an assistant called: its name and its arguments, as a JSON string (OpenAI's)."""
 
     model_config = STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant message in the history."""
+
+    model_config = STRICT
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """One message, with OpenAI's fields. Its content is a string or a list of text parts
+    (``chat_messages`` reads them); an assistant's may be null when it made ``tool_calls``, and a
+    ``tool`` message answers the call ``tool_call_id`` names. All of it goes to the chat template."""
+
+    model_config = STRICT
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages only, and required there
+    refusal: str | None = None  # an assistant's refusal, passed to the template as sent
 
 
-# OpenAI's chat fields that tinyserve does not implement, each with the values that ask for
-# nothing (what a client sends to mean "off"): any other value is a 400 naming the field.
+# OpenAI's (and vLLM's) fields that tinyserve does not implement, each with the values that ask
+# for nothing (what a client sends to mean "off"): any other value is a 400 naming the field.
+UNIMPLEMENTED = {
+    "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "use_beam_search": (False,),
+    "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,),
+}
+UNIMPLEMENTED_COMPLETION_FIELDS = {"suffix": (None,)}
 UNIMPLEMENTED_CHAT_FIELDS = {
-    "tools": (None,), "tool_choice": (None, "none"), "parallel_tool_calls": (None,),
-    "functions": (None,), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None,), "function_call": (None, "none"),
+    "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,), "verbosity": (None,),
+    "web_search_options": (None,), "documents": (None,), "chat_template": (None,), "prompt_logprobs": (None,),
+}
+# Why each is refused, for the error message.
+WHY_REFUSED = {
+    "logit_bias": "the sampler has no per-token bias yet",
+    "allowed_token_ids": "the sampler has no token mask yet",
+    "bad_words": "the sampler has no token mask yet",
+    "skip_special_tokens": "the engine's detokenizer always skips special tokens",
+    "spaces_between_special_tokens": "the engine's detokenizer always skips special tokens",
+    "prompt_logprobs": "use /v1/completions for a prompt's logprobs",
+    "chat_template": "the server renders the model's own chat template only",
+    "modalities": "the model writes text only",
+    "audio": "the model writes text only",
 }
 
 
@@ -129,29 +210,88 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs: true
+    # vLLM's: how the messages are rendered with the chat template.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # No-ops: one call at a time is all the model makes anyway; a predicted output only speeds up
+    # OpenAI's answer, never changes it.
+    parallel_tool_calls: bool | None = None
+    prediction: dict | None = None
     # Any JSON value: reject_unsupported refuses all but UNIMPLEMENTED_CHAT_FIELDS' "off" values.
     tools: Any = None
     tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    documents: Any = None
+    chat_template: Any = None
+
+
+# apply_chat_template's own arguments: chat_template_kwargs may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+})
 
 
 def reject_unsupported(body: SamplingFields) -> None:
-    """Refuse, by name, the OpenAI parameters tinyserve does not implement, unless they ask for
-    nothing (an empty ``logit_bias``, ``tool_choice: "none"``)."""
-    checks = [("logit_bias", bool(body.logit_bias)), ("suffix", getattr(body, "suffix", None) is not None)]
+    """Refuse, by name, the OpenAI and vLLM parameters tinyserve does not implement, unless they
+    ask for nothing (an empty ``logit_bias``, ``tool_choice: "none"``)."""
+    fields = dict(UNIMPLEMENTED)
+    fields.update(UNIMPLEMENTED_CHAT_FIELDS if isinstance(body, ChatCompletionRequest)
+                  else UNIMPLEMENTED_COMPLETION_FIELDS)
+    for name, off in fields.items():
+        if not _is_one_of(getattr(body, name), off):
+            why = WHY_REFUSED.get(name, "it is not implemented")
+            raise APIError(f"{name} is not supported by tinyserve ({why}); leave it out", param=name)
+    if body.prompt_logprobs is not None and body.stream:
+        raise APIError("prompt_logprobs are not available when streaming (as in vLLM)", param="prompt_logprobs")
+    echo_k = body.logprobs if isinstance(body, CompletionRequest) and body.echo else None
+    if echo_k is not None and body.prompt_logprobs is not None and echo_k != body.prompt_logprobs:
+        raise APIError(f"prompt_logprobs={body.prompt_logprobs} and echo with logprobs={echo_k} ask for the prompt's "
+                       "logprobs twice: they must be the same k", param="prompt_logprobs")
     if isinstance(body, ChatCompletionRequest):
-        checks += [(name, not _is_one_of(getattr(body, name), off)) for name, off in UNIMPLEMENTED_CHAT_FIELDS.items()]
-    for name, bad in checks:
-        if bad:
-            raise APIError(f"{name} is not supported by tinyserve", param=name)
+        if body.continue_final_message and body.add_generation_prompt:
+            raise APIError("continue_final_message needs add_generation_prompt: false (the answer continues the "
+                           "last message rather than starting a new one)", param="continue_final_message")
+        if body.continue_final_message and body.messages[-1].role != "assistant":
+            raise APIError("continue_final_message needs the last message to be the assistant's",
+                           param="continue_final_message")
+        reserved = sorted(set(body.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise APIError(f"chat_template_kwargs may not set {reserved[0]!r} (a field of the request, or of the "
+                           "renderer itself)", param=f"chat_template_kwargs.{reserved[0]}")
 
 
 def _is_one_of(value, allowed: tuple) -> bool:
     # By type as well as value: 0 == False and 1 == True in Python, but not in JSON.
     return any(type(value) is type(a) and value == a for a in allowed)
+
+
+def drop_unknown_fields(data: dict, model: type[BaseModel]) -> list[str]:
+    """Remove from a parsed body the fields ``model`` does not know (top level, in a chat message
+    and in ``stream_options``), and return their names (``--ignore-unknown-fields``, vLLM's way)."""
+    dropped = _drop(data, model, "")
+    if model is ChatCompletionRequest and isinstance(data.get("messages"), list):
+        for i, message in enumerate(data["messages"]):
+            if isinstance(message, dict):
+                dropped += _drop(message, ChatMessage, f"messages.{i}.")
+    if isinstance(data.get("stream_options"), dict):
+        dropped += _drop(data["stream_options"], StreamOptions, "stream_options.")
+    return dropped
+
+
+def _drop(data: dict, model: type[BaseModel], prefix: str) -> list[str]:
+    unknown = [key for key in data if key not in model.model_fields]
+    for key in unknown:
+        del data[key]
+    return [prefix + key for key in unknown]
 
 
 def check_ranges(body: SamplingFields, vocab_size: int, max_num_seqs: int) -> None:
@@ -183,9 +323,12 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     """The messages as the chat template takes them, with text content only.
 
     A content part that is not text (an image, audio) cannot be read by a text-only model; it is
-    refused rather than dropped, so the answer never silently ignores part of the question."""
+    refused rather than dropped, so the answer never silently ignores part of the question. A
+    tool call's arguments go to the template as a dict when they are a JSON object (as vLLM
+    passes them: templates such as Llama 3.1's write them with ``tojson``), else as sent."""
     rendered = []
     for i, m in enumerate(messages):
+        _check_tool_fields(m, i)
         content = m.content
         if content is None:
             if m.role != "assistant":
@@ -208,8 +351,38 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
                                    "`type` and `text`)", param=f"{where}.{unknown[0]}")
                 pieces.append(part["text"])
             content = "".join(pieces)
-        rendered.append({"role": m.role, "content": content})
+        message = {"role": m.role, "content": content}
+        for field in ("name", "tool_call_id", "refusal"):
+            if getattr(m, field) is not None:
+                message[field] = getattr(m, field)
+        if m.tool_calls is not None:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
+        rendered.append(message)
     return rendered
+
+
+def _check_tool_fields(m: ChatMessage, i: int) -> None:
+    if m.tool_calls is not None and m.role != "assistant":
+        raise APIError(f"messages.{i}: only an assistant message has tool_calls, not a {m.role} message",
+                       param=f"messages.{i}.tool_calls")
+    if m.role == "tool" and m.tool_call_id is None:
+        raise APIError(f"messages.{i}: a tool message needs the tool_call_id of the call it answers",
+                       param=f"messages.{i}.tool_call_id")
+    if m.role != "tool" and m.tool_call_id is not None:
+        raise APIError(f"messages.{i}: only a tool message has a tool_call_id, not a {m.role} message",
+                       param=f"messages.{i}.tool_call_id")
+    if m.refusal is not None and m.role != "assistant":
+        raise APIError(f"messages.{i}: only an assistant message has a refusal, not a {m.role} message",
+                       param=f"messages.{i}.refusal")
+
+
+def _arguments(arguments: str):
+    try:
+        parsed = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
 
 
 def to_sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
@@ -223,7 +396,7 @@ def to_sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
         prompt_logprobs, best_of = None, None
     else:
         logprobs, best_of = body.logprobs, body.best_of
-        prompt_logprobs = logprobs if body.echo else None
+        prompt_logprobs = logprobs if body.echo and logprobs is not None else body.prompt_logprobs
     try:
         return SamplingParams(n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                               max_tokens=max(max_tokens, 1), stop=body.stop, stop_token_ids=body.stop_token_ids,

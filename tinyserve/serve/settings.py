@@ -28,7 +28,7 @@ class ServerSettings:
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     shutdown_timeout_s: float = 10.0  # Ctrl-C waits this long for open requests, then cancels them
     # Responses.
-    stall_timeout_s: float = 30.0  # a stream its client has not read for this long is aborted
+    stall_timeout_s: float = 30.0  # an answer its client has not read for this long is aborted or cut off
     # Chat requests.
     max_messages: int = 1024  # messages in one chat request
     special_tokens_in_content: bool = False  # True: "<|im_start|>" in content is a control token (vLLM's way)

@@ -13,6 +13,8 @@ A client that stops reading fills the socket's buffers, and then every write wai
 ``StallGuardedStream`` bounds that wait (``ServerSettings.stall_timeout_s``): a write that has
 not gone out in time aborts the request, which frees its blocks, and closes the connection.
 Meanwhile the engine goes on: the request's outputs merge in its mailbox, never one per step.
+(A plain answer, all produced before it is sent, is timed by its connection instead, with the
+same timeout: ``connections.TimedH11Protocol``.)
 """
 
 from __future__ import annotations
