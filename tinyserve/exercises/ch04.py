@@ -22,12 +22,12 @@ from collections.abc import Callable
 from tinyserve import presets
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.exercises.ch03 import answer_name
-from tinyserve.exercises.ch05_round import _error, random_workloads, state_before
+from tinyserve.exercises.ch05_round import _error, _simulate_recorded, random_workloads, state_before
 from tinyserve.exercises.sched_runs import SimWorkload, check_runs, round_run_difference, scheduler_run
 from tinyserve.exercises.verdict import checker, run_cases, verdict
 from tinyserve.scheduler import Scheduler, SchedulerOutputs
 from tinyserve.sequence import SequenceGroup
-from tinyserve.sim import Request, RoundRecord, make_record, simulate
+from tinyserve.sim import Request, RoundRecord, simulate
 
 AMPLE_CACHE = CacheConfig(block_size=16, num_gpu_blocks=4096, num_cpu_blocks=0, watermark=0.0)
 
@@ -195,16 +195,7 @@ def _recorded_rounds(cls: type, requests: list[Request], sc: SchedulerConfig, cc
     raises (or never ends) still shows the rounds before it, with the error."""
     records: list[RoundRecord] = []
     try:
-        scheduler = cls(sc, cc, **hooks)
-        postprocess = scheduler.postprocess
-
-        def recording(out, next_token):  # simulate calls it once a round, right after schedule()
-            finished = postprocess(out, next_token)
-            records.append(make_record(len(records) + 1, scheduler, out, finished))
-            return finished
-
-        scheduler.postprocess = recording
-        simulate(requests, sc, cc, max_rounds=max_rounds, scheduler=scheduler)
+        _simulate_recorded(cls, requests, sc, cc, hooks, max_rounds, records)
     except Exception as e:  # the reader's code; a skeleton's NotImplementedError names the part not written yet
         return records, _error(cls, e)
     return records, None

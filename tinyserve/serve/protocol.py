@@ -278,11 +278,12 @@ def drop_unknown_fields(data: dict, model: type[BaseModel]) -> list[str]:
     """Remove from a parsed body the fields ``model`` does not know (top level, in a chat message
     and in ``stream_options``), and return their names (``--ignore-unknown-fields``, vLLM's way)."""
     dropped = _drop(data, model, "")
-    if model is ChatCompletionRequest and isinstance(data.get("messages"), list):
+    # Any body with chat messages (a chat completion, a chat /tokenize).
+    if "messages" in model.model_fields and isinstance(data.get("messages"), list):
         for i, message in enumerate(data["messages"]):
             if isinstance(message, dict):
                 dropped += _drop(message, ChatMessage, f"messages.{i}.")
-    if isinstance(data.get("stream_options"), dict):
+    if "stream_options" in model.model_fields and isinstance(data.get("stream_options"), dict):
         dropped += _drop(data["stream_options"], StreamOptions, "stream_options.")
     return dropped
 

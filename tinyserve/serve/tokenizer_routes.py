@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tinyserve.serve.bodies import APIError, RequestLimits, parse_body
 from tinyserve.serve.chat import TemplateOptions, check_message_count, prompt_ids
-from tinyserve.serve.protocol import ChatMessage, chat_messages
+from tinyserve.serve.protocol import ChatMessage, chat_messages, drop_unknown_fields
 from tinyserve.serve.settings import ServerSettings
 
 try:
@@ -132,22 +132,6 @@ def _jsonable(value):
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
     return str(value)
-
-
-def drop_unknown_fields(data: dict, model: type[BaseModel]) -> list[str]:
-    """Remove the fields ``model`` (and, in a chat, a message) does not know from a parsed body;
-    their names (``--ignore-unknown-fields``, vLLM's way)."""
-    dropped = [key for key in data if key not in model.model_fields]
-    for key in dropped:
-        del data[key]
-    if model is TokenizeChatRequest and isinstance(data.get("messages"), list):
-        for i, message in enumerate(data["messages"]):
-            if isinstance(message, dict):
-                unknown = [key for key in message if key not in ChatMessage.model_fields]
-                for key in unknown:
-                    del message[key]
-                dropped += [f"messages.{i}.{key}" for key in unknown]
-    return dropped
 
 
 def add_tokenizer_routes(app: FastAPI, name: str, tokenizer, max_model_len: int, vocab_size: int,
