@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parents[1] / "tinyserve"
 
 LAYERS = [
     ["config"],
-    ["sequence", "sampling_params"],
+    ["sequence", "sampling_params", "guided_params"],
     ["block", "block_manager", "prefix_cache"],
     # The Scheduler class and its parts (split_prefill, v1_round, preemption, refusals, postprocess),
     # what a round decides (scheduler_outputs), and what runs it without a model.
@@ -23,7 +23,7 @@ LAYERS = [
     ["cache_engine"],
     ["attention"],
     ["models"],
-    ["model_runner", "sampler", "logprobs", "worker", "detokenizer"],
+    ["model_runner", "grammar", "constraints", "sampler", "logprobs", "worker", "detokenizer"],
     ["outputs", "engine", "llm", "__main__"],
     ["parallel"],
     ["serve"],

@@ -22,6 +22,7 @@ import torch
 from tinyserve.attention.backend import BackendSpec
 from tinyserve.cache_engine import CacheEngine
 from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tinyserve.constraints import RequestConstraints
 from tinyserve.detokenizer import detokenize_incrementally, find_stop_string
 from tinyserve.logprobs import prompt_logprob_dicts, sampled_logprobs
 from tinyserve.model_runner import prompt_logprob_spans
@@ -82,6 +83,7 @@ class LLMEngine:
         self.sampler = sampler if sampler is not None else Sampler(model_config.seed)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.vocab_size = hf.vocab_size
+        self.constraints = RequestConstraints(self.tokenizer, self.vocab_size, self.eos_token_id)
         self.times = StepTimes()
         # Running totals (constant memory) for the server's /metrics.
         self.num_preemptions_total = 0
@@ -133,6 +135,8 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty (no tokens)")
         check_token_ids("stop_token_ids", sampling_params.stop_token_ids, self.vocab_size)
+        if sampling_params.has_constraints:
+            self.constraints.add(request_id, sampling_params)  # chapter 12: a bad grammar is refused here
         seq = Sequence(next(self._seq_ids), prompt, prompt_token_ids, self.cache_config.block_size)
         if sampling_params.seed is not None:
             self._generators[seq.seq_id] = torch.Generator().manual_seed(sampling_params.seed)
@@ -216,9 +220,12 @@ class LLMEngine:
         draw: ``best_of`` for a prompt's first sample (one row, then forks), otherwise 1."""
         params = meta.sampling_params
         first = meta.is_prompt and seq.get_output_len() == 0 and len(meta.seq_data) == 1
+        constraints = (self.constraints.row(meta.request_id, seq.seq_id, params, seq.output_token_ids)
+                       if params.has_constraints else None)
         return SampleRequest(params, num_samples=params.num_samples if first else 1,
                              generator=self._generators.get(seq.seq_id), prompt_token_ids=seq.prompt_token_ids,
-                             output_token_ids=seq.output_token_ids, eos_token_id=self.eos_token_id)
+                             output_token_ids=seq.output_token_ids, eos_token_id=self.eos_token_id,
+                             constraints=constraints)
 
     def take_prompt_logprobs(self, metas: list[SequenceGroupMetadata], logits: torch.Tensor) -> torch.Tensor:
         """Split the executor's logits: the rows after the sampled ones are prompt positions that
@@ -318,6 +325,7 @@ class LLMEngine:
         if group is not None:
             for seq in group.get_seqs():
                 self._generators.pop(seq.seq_id, None)
+            self.constraints.forget(request_id, [seq.seq_id for seq in group.get_seqs()])
             self._outputs.forget(group)
 
     def report_step(self, out: SchedulerOutputs, finished: list[str],

@@ -4,10 +4,12 @@ Rows that want the same treatment are handled as one batch (an all-greedy batch 
 argmax). A request with a ``seed`` draws from its own generator, so its tokens do not depend on
 what else shares the batch.
 
-Before any of that, vLLM v0.4's logit adjustments (chapter 9's sampling features), on the rows
-that ask for them: ``min_tokens`` masks EOS and the stop token ids; the presence, frequency and
-repetition penalties look at the sequence's tokens; ``min_p`` drops what is far less likely
-than the top token, after temperature, top-k and top-p.
+Before any of that, the logit adjustments, on the rows that ask for them: the constraints of
+chapter 12 (``logit_bias``, ``allowed_token_ids``, ``bad_words``, a grammar: ``constraints.py``),
+then vLLM v0.4's (chapter 9's sampling features): ``min_tokens`` masks EOS and the stop token ids;
+the presence, frequency and repetition penalties look at the sequence's tokens; ``min_p`` drops
+what is far less likely than the top token, after temperature, top-k and top-p. A row left with
+no token to draw fails alone, with a message saying so.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tinyserve.constraints import RowConstraints, apply_constraints
 from tinyserve.sequence import SamplingParams
 
 
@@ -32,6 +35,7 @@ class SampleRequest:
     prompt_token_ids: Tokens[int] = ()
     output_token_ids: Tokens[int] = ()
     eos_token_id: int | None = None
+    constraints: RowConstraints | None = None  # the row's bad words and grammar (chapter 12)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -111,7 +115,16 @@ class Sampler:
         # <<<
         logits = self._adjust(logits, requests)
         results: list[list[int] | Exception | None] = [None] * len(requests)
-        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        if any(r.constraints is not None for r in requests):
+            # A mask may leave nothing (a complete grammar allows only EOS, which min_tokens bans):
+            # argmax would still return a token, so such a row fails here, by name.
+            for i in (~torch.isfinite(logits).any(dim=-1)).nonzero().flatten().tolist():
+                results[i] = ValueError("no token may be drawn: the request's constraints (grammar, "
+                                        "allowed_token_ids, bad_words, min_tokens) exclude every token")
+            for i, r in enumerate(requests):
+                if r.constraints is not None and r.constraints.error:
+                    results[i] = ValueError(r.constraints.error)
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy and results[i] is None]
         if greedy:
             # An all-greedy batch (the common case) takes the argmax in place: gathering the
             # rows first would copy every logit (50 MB at batch 256) for nothing.
@@ -119,7 +132,7 @@ class Sampler:
             ids = rows.argmax(dim=-1).tolist()
             for i, t in zip(greedy, ids):
                 results[i] = [t] * requests[i].num_samples
-        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+        random_rows = [i for i, r in enumerate(requests) if not r.params.greedy and results[i] is None]
         if random_rows:
             probs = self._probs(logits[random_rows], [requests[i].params for i in random_rows]).cpu()
             finite = torch.isfinite(probs).all(dim=-1).tolist()
@@ -130,13 +143,17 @@ class Sampler:
 
     @staticmethod
     def _adjust(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
-        """``min_tokens`` and the penalties, on a copy and only for rows that ask: the caller's
-        logits stay as the model made them (the engine reads its logprobs from them)."""
+        """The constraints, ``min_tokens`` and the penalties, on a copy and only for rows that ask:
+        the caller's logits stay as the model made them (the engine reads its logprobs from them)."""
         banned = [banned_until_min_tokens(r) for r in requests]
         penalized = [i for i, r in enumerate(requests) if r.params.has_penalties]
-        if not penalized and not any(banned):
+        constrained = any(r.constraints is not None for r in requests)
+        if not penalized and not any(banned) and not constrained:
             return logits
         logits = logits.clone()
+        if constrained:
+            apply_constraints(logits, [r.params for r in requests], [r.constraints for r in requests],
+                              [r.output_token_ids for r in requests])
         for i, tokens in enumerate(banned):
             if tokens:
                 logits[i, tokens] = float("-inf")

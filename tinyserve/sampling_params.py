@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tinyserve.guided_params import GuidedDecodingParams
+
 # Bounds that keep every value representable where it goes: token counts and top_k fit int32
 # tensors, seeds fit torch's int64 generator seed (children of ``n > 1`` use seed + i), and a
 # temperature below MIN_TEMPERATURE would overflow ``logits / temperature`` to inf.
@@ -69,6 +71,11 @@ class SamplingParams:
     logprobs: int | None = None  # per output token: the chosen token's logprob and the top-k
     prompt_logprobs: int | None = None  # the same for every prompt token but the first
     include_stop_str_in_output: bool = False
+    # Constraints on the next token (vLLM's later fields; chapter 12, "structured output"):
+    logit_bias: dict[int, float] | None = None  # added to the logits of these token ids, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these tokens may be drawn
+    bad_words: list[str] | None = None  # words the output may not contain (as the tokenizer spells them)
+    guided_decoding: GuidedDecodingParams | None = None  # a JSON schema, regex, choice or grammar to follow
 
     def __post_init__(self) -> None:
         self.verify()
@@ -103,6 +110,7 @@ class SamplingParams:
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         self._verify_v04_fields()
+        self._verify_constraints()
         if self.n > 1 and self.temperature == 0:
             raise ValueError("n > 1 needs temperature > 0: greedy samples would all be identical")
         if self.num_samples > 1 and self.temperature == 0:
@@ -132,6 +140,42 @@ class SamplingParams:
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be True or False, "
                              f"got {self.include_stop_str_in_output!r}")
+
+    def _verify_constraints(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}")
+            for token, bias in self.logit_bias.items():
+                _check_int("logit_bias's token id", token, 0, MAX_INT32)
+                if not _is_finite_number(bias) or not -100 <= bias <= 100:
+                    raise ValueError(f"logit_bias for token {token} must be a number in [-100, 100], got {bias!r}")
+        if self.allowed_token_ids is not None:
+            if (not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                    or not all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.allowed_token_ids)):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
+                                 f"got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if (not isinstance(self.bad_words, (list, tuple))
+                    or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
+        if self.guided_decoding is not None:
+            if not isinstance(self.guided_decoding, GuidedDecodingParams):
+                raise ValueError(f"guided_decoding must be a GuidedDecodingParams, "
+                                 f"got {type(self.guided_decoding).__name__}")
+            self.guided_decoding.verify()
+            if self.ignore_eos:
+                # The grammar ends a complete output by allowing EOS alone; ignoring it would
+                # leave nothing to draw.
+                raise ValueError("ignore_eos cannot be combined with guided decoding: "
+                                 "a complete output ends with EOS")
+
+    @property
+    def has_constraints(self) -> bool:
+        """Whether the sampler must mask or bias this request's logits beyond min_tokens."""
+        return (self.logit_bias is not None or self.allowed_token_ids is not None or self.bad_words is not None
+                or self.guided_decoding is not None)
 
     @property
     def num_samples(self) -> int:

@@ -1,0 +1,145 @@
+"""Grammars for structured output: which tokens may come next, for each sequence that follows one.
+
+A request's ``GuidedDecodingParams`` becomes a grammar (llguidance's JSON-schema, regex or Lark
+front ends), compiled once per distinct grammar and checked when the request arrives. Each of its
+sequences gets a matcher: a parser state that has consumed exactly the sequence's output tokens.
+Before the sampler draws, the matcher fills a bitmask of the tokens that keep the output a prefix
+of a valid one (EOS only once it is complete); the sampler sets every other logit to -inf.
+
+The matcher's state is a function of the output tokens alone, so nothing is undone on preemption:
+swap and recompute keep a sequence's tokens, and its matcher already stands after the last of
+them. A fork (``n > 1``) gets a fresh matcher that replays its tokens the first time it is sampled.
+
+Why llguidance: ``benchmarks/grammar_libraries.py`` measures it against xgrammar and outlines-core
+(installs, dependencies, compile time, mask time per step); the README gives the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence as Tokens
+
+import torch
+
+from tinyserve.guided_params import GuidedDecodingParams
+
+# JSON as json.dumps writes it: one space after each separator, no other whitespace. llguidance's
+# default lets whitespace go anywhere (so does vLLM's, unless ``disable_any_whitespace``), and a
+# small model can spend every token it has on it; a schema's "x-guidance" key may still ask for it.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_text(params: GuidedDecodingParams) -> str:
+    """The llguidance grammar for ``params`` (not yet checked against a tokenizer)."""
+    import llguidance
+
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = params.json if kind == "json" else {"type": "object"}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        # Lark string literals, written as JSON strings: no character of a choice is special.
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    return llguidance.LLMatcher.grammar_from_lark(params.grammar)
+
+
+class GrammarCompiler:
+    """Compiles requests' grammars against one tokenizer, and builds matchers from them.
+
+    The tokenizer's llguidance view is built on first use (a fraction of a second), and its first
+    mask warms llguidance's token trie (about 3 s on a 49k vocabulary): ``warm`` pays both up front."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._ll = None
+        self._compiled: dict[str, str] = {}
+
+    @property
+    def ll_tokenizer(self):
+        if self._ll is None:
+            import llguidance.hf
+
+            self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                   eos_token=self.eos_token_id)
+        return self._ll
+
+    def warm(self) -> None:
+        """Build the tokenizer's view and compute one mask, so no request waits for either."""
+        self.matcher(GuidedDecodingParams(json_object=True)).allowed()
+
+    def compile(self, params: GuidedDecodingParams) -> str:
+        """The checked grammar for ``params``, or a ValueError that names what is wrong with it."""
+        import llguidance
+
+        key = params.key()
+        if key not in self._compiled:
+            try:
+                text = grammar_text(params)
+            except (ValueError, TypeError, RuntimeError) as e:
+                raise ValueError(f"guided {params.kind}: {e}") from None
+            error = llguidance.LLMatcher.validate_grammar(text, self.ll_tokenizer)
+            if error:
+                raise ValueError(f"guided {params.kind}: {error.strip()}")
+            self._compiled[key] = text
+        return self._compiled[key]
+
+    def matcher(self, params: GuidedDecodingParams) -> GrammarState:
+        import llguidance
+
+        return GrammarState(llguidance.LLMatcher(self.ll_tokenizer, self.compile(params)), self.vocab_size)
+
+
+class GrammarState:
+    """One sequence's place in its grammar: the tokens consumed so far and what may come next."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.consumed = 0
+
+    def sync(self, output_token_ids: Tokens[int]) -> None:
+        """Consume the output tokens not yet consumed (the ones sampled since the last step)."""
+        for token in output_token_ids[self.consumed:]:
+            if not self.matcher.consume_token(token):
+                raise ValueError(f"token {token} breaks the grammar: {self.matcher.get_error()}")
+            self.consumed += 1
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() or None if self.matcher.is_error() else None
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed tokens into ``bitmask[row]`` (int32 words, bit ``t % 32`` of word
+        ``t // 32`` set when token t is allowed)."""
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def allowed(self) -> torch.Tensor:
+        """The allowed tokens as a bool vector over the vocabulary (for pictures and tests)."""
+        bitmask = allocate_bitmask(1, self.vocab_size)
+        self.fill_bitmask(bitmask, 0)
+        return unpack_bitmask(bitmask, self.vocab_size)[0]
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    return torch.zeros(rows, (vocab_size + 31) // 32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, words] int32 -> [rows, vocab_size] bool: bit ``t % 32`` of word ``t // 32`` is token t."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set, in place, every logit whose token's bit is clear to -inf (rows of ``logits`` and
+    ``bitmask`` correspond)."""
+    import llguidance.torch
+
+    llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
