@@ -365,12 +365,12 @@ def test_the_developer_role_is_system_for_a_template_that_does_not_know_it(serve
     ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 0}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {"parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ("/v1/chat/completions", {"functions": []}, "functions"),
     ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ("/v1/chat/completions", {"stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
 ])
 def test_loose_types_unknown_fields_and_unimplemented_options_are_refused_by_name(served, path, fields, param):

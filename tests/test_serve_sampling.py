@@ -186,13 +186,13 @@ def test_chat_logprobs_in_openai_chat_format_streamed_or_not(served):
     ("/v1/completions", {"logprobs": -1}, "logprobs"),
     ("/v1/completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
     ("/v1/completions", {"echo": "yes"}, "echo"),
-    ("/v1/completions", {"logit_bias": {"5": 1.0}}, "logit_bias"),  # still unsupported
+    ("/v1/completions", {"logit_bias": {"5": -100.5}}, "logit_bias"),  # OpenAI's range is [-100, 100]
     ("/v1/completions", {"suffix": "x"}, "suffix"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"best_of": 2}, "best_of"),  # not a chat field
     ("/v1/chat/completions", {"echo": True}, "echo"),
-    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools.0.function"),
 ])
 def test_bad_values_and_unsupported_fields_are_400s_naming_the_field(served, path, fields, param):
     server, _ = served

@@ -19,6 +19,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
@@ -29,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from tinyserve.engine import LLMEngine, RequestOutput
+from tinyserve.guided_params import GuidedDecodingParams
 from tinyserve.sequence import SamplingParams
 from tinyserve.serve.bodies import APIError, RequestLimits, invalid_fields, parse_body
 from tinyserve.serve.chat import TemplateOptions, check_message_count, prompt_ids
@@ -57,6 +59,7 @@ from tinyserve.serve.protocol import (
 )
 from tinyserve.serve.settings import ServerSettings
 from tinyserve.serve.streaming import StallGuardedStream, stream_events
+from tinyserve.serve.structured import ToolPlan, guided_decoding, template_tools
 from tinyserve.serve.tokenizer_routes import add_tokenizer_routes
 
 log = logging.getLogger("tinyserve.serve")
@@ -192,14 +195,25 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
             top = (body.top_logprobs or 0) if body.logprobs else None
         else:
             top = body.logprobs
-        prompt_top = None if chat else body.prompt_logprobs
-        if (top is not None or prompt_top is not None) and "texts" not in state:
+        prompt_top = None if chat else body.prompt_logprobs  # a chat's are the answer's, not a choice's
+        if (top is not None or body.prompt_logprobs is not None) and "texts" not in state:
             state["texts"] = await off_the_engine(token_texts, tokenizer)
         echo = None
         if not chat and body.echo:
             echo = prompt if prompt is not None else await off_the_engine(tokenizer.decode, ids)
         return ChoiceFormat(chat, top, state.get("texts"), echo, echo_only=echo is not None and body.max_tokens == 0,
                             prompt_top=prompt_top)
+
+    async def grammar(body: SamplingFields, chat: bool) -> tuple[GuidedDecodingParams | None, ToolPlan | None]:
+        """The grammar a request asks for, compiled (on the tokenizer's thread: a schema can take
+        milliseconds) so that one that cannot be is a 400 naming the field that asked for it."""
+        guided, plan, param = guided_decoding(body, chat)
+        if guided is not None:
+            try:
+                await off_the_engine(engine.constraints.grammars.compile, guided)
+            except ValueError as e:
+                raise APIError(f"{param} cannot be compiled into a grammar: {e}", param=param) from None
+        return guided, plan
 
     def truncated(ids: list[int], body: SamplingFields) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: keep the prompt's last k tokens."""
@@ -222,6 +236,7 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
         for prompt, param in zip(prompts, where):
             if isinstance(prompt, str):
                 limits.check_prompt_chars(len(prompt), param)
+        guided, _ = await grammar(body, chat=False)
         special = body.add_special_tokens is not False  # vLLM's default for completions: True
         all_ids = await off_the_engine(lambda: [tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str)
                                                 else list(p) for p in prompts])
@@ -230,7 +245,7 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
             if body.truncate_prompt_tokens is not None and len(ids) > body.truncate_prompt_tokens:
                 ids, prompt = truncated(ids, body), None  # the echo is the truncated prompt, decoded
             max_tokens = check_length(len(ids), body.max_tokens, param)
-            params = to_sampling_params(body, max_tokens)
+            params = to_sampling_params(body, max_tokens, guided)
             ids = validate_ids(ids)
             fmt = await choice_format(body, False, prompt if isinstance(prompt, str) else None, ids)
             ready.append(Prompt(ids, params, fmt))
@@ -253,16 +268,20 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(f"the model `{name}` has no chat template; use /v1/completions", param="messages")
         messages = chat_messages(body.messages)
-        options = TemplateOptions(body.add_generation_prompt, body.continue_final_message,
-                                  dict(body.chat_template_kwargs or {}), body.add_special_tokens is True)
+        guided, plan = await grammar(body, chat=True)
+        template_kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools:  # the template may describe them to the model (SmolLM2's does not)
+            template_kwargs["tools"] = template_tools(body.tools)
+        options = TemplateOptions(body.add_generation_prompt, body.continue_final_message, template_kwargs,
+                                  body.add_special_tokens is True)
         # Checked for size before and after rendering, then tokenized (chat.py): all off the loop.
         ids = await off_the_engine(prompt_ids, tokenizer, messages, limits, settings.special_tokens_in_content,
                                    options)
         ids = truncated(ids, body)
         max_tokens = check_length(len(ids), body.max_completion_tokens or body.max_tokens, "messages")
-        params = to_sampling_params(body, max_tokens)
+        params = to_sampling_params(body, max_tokens, guided)
         ids = validate_ids(ids)
-        fmt = await choice_format(body, True, None, ids)
+        fmt = replace(await choice_format(body, True, None, ids), tools=plan)
         return await _respond(request, state["loop"], f"chatcmpl-{uuid.uuid4().hex}", ids, params, body, fmt,
                               name=name)
 
@@ -326,8 +345,11 @@ async def _respond(request: Request, loop: EngineLoop, request_id: str, ids: lis
         # Megabytes with n and logprobs: built and encoded off the loop, and one choice at a time
         # (a generator), so that the garbage collector never walks the whole answer (jsonbody.py).
         choices = (fmt.choice(out, c) for c in out.outputs)
-        return {"id": request_id, "object": "chat.completion" if fmt.chat else "text_completion",
-                "created": created, "model": name, "choices": choices, "usage": usage(out, fmt.completion_tokens(out))}
+        whole = {"id": request_id, "object": "chat.completion" if fmt.chat else "text_completion",
+                 "created": created, "model": name, "choices": choices, "usage": usage(out, fmt.completion_tokens(out))}
+        if fmt.chat and body.prompt_logprobs is not None:  # vLLM's: at the top, as the prompt is the request's
+            whole["prompt_logprobs"] = replace(fmt, prompt_top=body.prompt_logprobs).prompt_logprobs(out)
+        return whole
 
     return await json_answer(answer)
 

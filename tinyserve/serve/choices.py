@@ -15,6 +15,10 @@ vLLM's ``prompt_logprobs: k`` (completions) adds a ``prompt_logprobs`` list to e
 the first prompt token, then ``{token_id: {"logprob", "rank", "decoded_token"}}`` per token, the
 rank counted among the entries the engine returned (null for a chosen token outside the top k).
 
+A chat answer under a ``tool_choice`` (``structured.py``) carries its text as tool calls: the whole
+text as the named function's arguments, or the calls of a ``"required"`` answer's JSON list
+(``finish_reason`` "tool_calls"); streamed, a named call's arguments come as ``tool_calls`` deltas.
+
 Token texts come from ``token_texts``, every token decoded once: building an answer must not
 use the server's tokenizer, which serves one thread only.
 """
@@ -22,9 +26,10 @@ use the server's tokenizer, which serves one thread only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tinyserve.outputs import CompletionOutput, RequestOutput
+from tinyserve.serve.structured import ToolPlan, new_call_id
 
 # JSON has no -Infinity: a log-probability below this (or not finite) is written as this.
 LOGPROB_FLOOR = -9999.0
@@ -51,6 +56,8 @@ class ChoiceFormat:
     echo: str | None = None
     echo_only: bool = False
     prompt_top: int | None = None  # vLLM's prompt_logprobs (completions only)
+    tools: ToolPlan | None = None  # chat under a tool_choice: the text is tool calls
+    _call_ids: dict[int, str] = field(default_factory=dict)  # per streamed choice, its call's id
 
     def text_and_entries(self, out: RequestOutput, c: CompletionOutput,
                          with_echo: bool) -> tuple[str, list[int], list | None]:
@@ -91,10 +98,30 @@ class ChoiceFormat:
         """A whole choice of a non-streamed answer."""
         text, ids, entries = self.text_and_entries(out, c, with_echo=self.echo is not None)
         body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        choice = {"index": c.index, **body, "logprobs": self.logprobs(ids, entries), "finish_reason": c.finish_reason}
+        finish_reason = c.finish_reason
+        calls = None if self.tools is None else self.tools.calls(text)
+        if calls is not None:
+            body["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            if self.tools.name is None:
+                finish_reason = "tool_calls"  # vLLM's, for "required"; a named call ends as OpenAI's do
+        choice = {"index": c.index, **body, "logprobs": self.logprobs(ids, entries), "finish_reason": finish_reason}
         if self.prompt_top is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs(out)
         return choice
+
+    def piece(self, index: int, text: str) -> dict:
+        """A streamed choice's new text, in the endpoint's shape (a named tool call's arguments
+        in ``tool_calls`` deltas, the first of which carries the call's id and name)."""
+        if not self.chat:
+            return {"text": text}
+        if self.tools is None:
+            return {"delta": {"content": text}}
+        call = {"index": 0, "function": {"arguments": text}}
+        if index not in self._call_ids:
+            self._call_ids[index] = new_call_id()
+            call = {"index": 0, "id": self._call_ids[index], "type": "function",
+                    "function": {"name": self.tools.name, "arguments": text}}
+        return {"delta": {"tool_calls": [call]}}
 
     def prompt_logprobs(self, out: RequestOutput) -> list | None:
         """vLLM's ``prompt_logprobs`` of a request (see the module's docstring)."""

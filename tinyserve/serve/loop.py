@@ -1,7 +1,8 @@
 """The engine loop: one background task that steps the engine while requests come and go.
 
 HTTP handlers never call ``engine.step()``. They add their request (between two steps, under
-the loop's lock) and read their own ``Mailbox``. The loop steps the engine in a single worker
+the loop's lock; a list of prompts all at once, or none of them, with ``add_many``) and read
+their own ``Mailbox``. The loop steps the engine in a single worker
 thread, so the event loop stays free to accept connections while the model runs, and leaves each
 ``RequestOutput`` in the mailbox of its request, where untaken outputs are merged: a handler
 that falls behind holds one merged output, never one per step. Aborts are only noted by the handler and carried
@@ -26,6 +27,14 @@ from tinyserve.serve.mailbox import Mailbox
 from tinyserve.serve.metrics import EngineStats, snapshot
 
 log = logging.getLogger("tinyserve.serve")
+
+
+class RequestRefused(ValueError):
+    """The engine refused request ``index`` of an ``add_many`` (none of them was added)."""
+
+    def __init__(self, index: int, error: ValueError) -> None:
+        super().__init__(str(error))
+        self.index, self.error = index, error
 
 
 class EngineLoop:
@@ -79,6 +88,52 @@ class EngineLoop:
             self.stats = snapshot(self.engine)
         self._wake.set()
         return mailbox
+
+    async def add_many(self, items: list[tuple[str, list[int], SamplingParams]]) -> list[Mailbox]:
+        """Add several requests (``(request_id, prompt_token_ids, params)`` each) between the same
+        two steps, so the engine schedules them together; their mailboxes, in order.
+
+        All or nothing: if the engine refuses one (a ValueError), the ones added before it are
+        taken out again before any step, and ``RequestRefused`` says which it was."""
+        adding = asyncio.ensure_future(self._add_many(items))
+        try:
+            return await asyncio.shield(adding)  # as in add: the lock is never left mid-add
+        except asyncio.CancelledError:
+            def abort_all(f: asyncio.Future) -> None:
+                if not (f.cancelled() or f.exception()):
+                    for request_id, _, _ in items:
+                        self.abort(request_id)
+            adding.add_done_callback(abort_all)
+            raise
+
+    async def _add_many(self, items: list[tuple[str, list[int], SamplingParams]]) -> list[Mailbox]:
+        mailboxes = [Mailbox(delta=params.output_kind == "delta") for _, _, params in items]
+        async with self.lock:
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._executor, self._add_all, items)
+            finally:
+                self.stats = snapshot(self.engine)
+            for (request_id, _, _), mailbox in zip(items, mailboxes):
+                self._mailboxes[request_id] = mailbox
+                if self.latencies is not None:
+                    self.latencies.added(request_id)
+        self._wake.set()
+        return mailboxes
+
+    def _add_all(self, items: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """On the engine thread: add every request, or none (those added are aborted again)."""
+        added: list[str] = []
+        try:
+            for index, (request_id, prompt_token_ids, params) in enumerate(items):
+                try:
+                    self.engine.add_request(request_id, None, params, prompt_token_ids)
+                except ValueError as e:
+                    raise RequestRefused(index, e) from e
+                added.append(request_id)
+        except BaseException:
+            if added:
+                self.engine.abort_request(added)
+            raise
 
     def abort(self, request_id: str) -> None:
         """Synchronous on purpose: it is called from cancelled handlers, which cannot await."""

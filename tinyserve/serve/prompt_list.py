@@ -1,9 +1,11 @@
 """A list of prompts in one ``/v1/completions`` request (OpenAI's and vLLM's way): each prompt is a
-request of its own in the engine, all added at once so they are scheduled together, and the
-answer is one: ``choices`` indexed prompt by prompt, then sample by sample (prompt i's sample j
-is choice ``i * n + j``), usage summed over the prompts.
+request of its own in the engine, all added between the same two steps so they are scheduled
+together (``EngineLoop.add_many``: if the engine refuses one, none is added, and the 400 names
+the prompt), and the answer is one: ``choices`` indexed prompt by prompt, then sample by
+sample (prompt i's sample j is choice ``i * n + j``), usage summed over the prompts.
 
-A plain answer waits for every prompt's last output; a streamed one interleaves the prompts'
+A plain answer waits for every prompt's last output, and is built and encoded off the event
+loop (``jsonbody.json_answer``, as a single prompt's); a streamed one interleaves the prompts'
 chunks as they come (each prompt's own ``stream_events``, with the choice indices shifted and
 the id made the request's), sends one usage chunk with the sums, then ``data: [DONE]``. An
 error before the first token of any prompt aborts them all and is the HTTP error; a client that
@@ -25,7 +27,8 @@ from tinyserve.engine import RequestOutput
 from tinyserve.sequence import SamplingParams
 from tinyserve.serve.bodies import APIError
 from tinyserve.serve.choices import ChoiceFormat
-from tinyserve.serve.loop import EngineLoop
+from tinyserve.serve.jsonbody import json_answer
+from tinyserve.serve.loop import EngineLoop, RequestRefused
 from tinyserve.serve.mailbox import Mailbox
 from tinyserve.serve.protocol import CompletionRequest, field_named, output_error, usage
 from tinyserve.serve.streaming import StallGuardedStream, stream_events
@@ -51,22 +54,13 @@ async def respond_to_list(request: Request, loop: EngineLoop, request_id: str, p
 
     for p in prompts:
         p.params.output_kind = "delta" if body.stream else "final_only"
-    # Gathered: every add waits for the loop's lock in the same turn of the event loop, so the
-    # engine takes no step between them (its lock is first come, first served). Every add is
-    # finished before any failure is answered, so that aborting the others finds them in.
+    # All in one go, between two steps (EngineLoop.add_many): the engine schedules them together,
+    # and a prompt it refuses leaves none of them in. Cancelled, add_many aborts them once in.
     try:
-        added = await asyncio.gather(*(loop.add(rid, p.ids, p.params) for rid, p in zip(ids, prompts)),
-                                     return_exceptions=True)
-    except BaseException:  # cancelled: EngineLoop.add aborts each request once it is in
-        abort_all()
-        raise
-    failed = next((e for e in added if isinstance(e, BaseException)), None)
-    if failed is not None:
-        abort_all()
-        if isinstance(failed, ValueError):  # the engine's own checks on a request
-            raise APIError(str(failed), param=field_named(str(failed)) or "prompt") from None
-        raise failed
-    boxes: list[Mailbox] = list(added)
+        boxes: list[Mailbox] = await loop.add_many([(rid, p.ids, p.params) for rid, p in zip(ids, prompts)])
+    except RequestRefused as e:  # the engine's own checks on one prompt
+        message = f"prompt {e.index}: {e}"
+        raise APIError(message, param=field_named(str(e)) or f"prompt.{e.index}") from None
     created = int(time.time())
     firsts = await _all_or_none(request, abort_all, [box.get() for box in boxes])
     if firsts is None:
@@ -87,17 +81,25 @@ async def respond_to_list(request: Request, loop: EngineLoop, request_id: str, p
     finals = await _all_or_none(request, abort_all, [_last(box, first) for box, first in zip(boxes, firsts)])
     if finals is None:
         return JSONResponse({}, status_code=499)
-    choices, totals = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-    for i, (out, p) in enumerate(zip(finals, prompts)):
+    for out in finals:
         if isinstance(out, Exception) or out.error:
             abort_all()
             raise _error(out)
-        for c in out.outputs:
-            choices.append({**p.fmt.choice(out, c), "index": i * body.n + c.index})
-        for key, value in usage(out, p.fmt.completion_tokens(out)).items():
-            totals[key] += value
-    return {"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices,
-            "usage": totals}
+
+    def answer() -> dict:
+        # As a single prompt's plain answer (app._respond): built and encoded off the event loop,
+        # the choices one at a time (jsonbody.py), for n prompts x n samples with logprobs run to
+        # megabytes too.
+        totals = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for out, p in zip(finals, prompts):
+            for key, value in usage(out, p.fmt.completion_tokens(out)).items():
+                totals[key] += value
+        choices = ({**p.fmt.choice(out, c), "index": i * body.n + c.index}
+                   for i, (out, p) in enumerate(zip(finals, prompts)) for c in out.outputs)
+        return {"id": request_id, "object": "text_completion", "created": created, "model": name, "choices": choices,
+                "usage": totals}
+
+    return await json_answer(answer)
 
 
 def _error(out: RequestOutput | Exception) -> APIError:

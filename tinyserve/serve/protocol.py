@@ -23,8 +23,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from tinyserve.engine import RequestOutput
+from tinyserve.guided_params import GuidedDecodingParams
 from tinyserve.sequence import SamplingParams
 from tinyserve.serve.bodies import APIError
+from tinyserve.serve.structured import ResponseFormat, Tool, ToolChoice
 
 log = logging.getLogger("tinyserve.serve")
 
@@ -82,7 +84,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as OpenAI writes it, a string) -> [-100, 100]
     # No-ops: they ask OpenAI to store, label, bill or cache the request, never for other tokens.
     user: str | None = None
     store: bool | None = None
@@ -96,17 +98,18 @@ class SamplingFields(BaseModel):
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_PROMPT_LOGPROBS)
-    # Refused by name unless off (UNIMPLEMENTED): the sampler has no token mask or bias yet, and
-    # the engine's detokenizer always skips special tokens.
+    # Constraints (chapter 12): a token mask, words to avoid, and a shape for the output
+    # (structured.py turns the last five into the engine's grammar).
+    allowed_token_ids: Annotated[list[int], Field(min_length=1)] | None = None
+    bad_words: list[Annotated[str, StringConstraints(min_length=1)]] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    # Refused by name unless off (UNIMPLEMENTED): the engine's detokenizer always skips special tokens.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    response_format: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     use_beam_search: bool = False
     top_k: int = Field(-1, ge=-1)  # extensions, as vLLM offers them; the vocabulary bounds top_k
     ignore_eos: bool = False
@@ -177,25 +180,20 @@ class ChatMessage(BaseModel):
 # OpenAI's (and vLLM's) fields that tinyserve does not implement, each with the values that ask
 # for nothing (what a client sends to mean "off"): any other value is a 400 naming the field.
 UNIMPLEMENTED = {
-    "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "use_beam_search": (False,),
-    "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,),
 }
 UNIMPLEMENTED_COMPLETION_FIELDS = {"suffix": (None,)}
 UNIMPLEMENTED_CHAT_FIELDS = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None,), "function_call": (None, "none"),
+    "functions": (None,), "function_call": (None, "none"),
     "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,), "verbosity": (None,),
-    "web_search_options": (None,), "documents": (None,), "chat_template": (None,), "prompt_logprobs": (None,),
+    "web_search_options": (None,), "documents": (None,), "chat_template": (None,),
 }
 # Why each is refused, for the error message.
 WHY_REFUSED = {
-    "logit_bias": "the sampler has no per-token bias yet",
-    "allowed_token_ids": "the sampler has no token mask yet",
-    "bad_words": "the sampler has no token mask yet",
+    "functions": "it is OpenAI's deprecated form of tools: send tools and tool_choice",
+    "function_call": "it is OpenAI's deprecated form of tool_choice: send tools and tool_choice",
     "skip_special_tokens": "the engine's detokenizer always skips special tokens",
     "spaces_between_special_tokens": "the engine's detokenizer always skips special tokens",
-    "prompt_logprobs": "use /v1/completions for a prompt's logprobs",
     "chat_template": "the server renders the model's own chat template only",
     "modalities": "the model writes text only",
     "audio": "the model writes text only",
@@ -218,9 +216,9 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI's answer, never changes it.
     parallel_tool_calls: bool | None = None
     prediction: dict | None = None
+    tools: list[Tool] | None = None  # with a named or "required" tool_choice (structured.py)
+    tool_choice: ToolChoice | None = None
     # Any JSON value: reject_unsupported refuses all but UNIMPLEMENTED_CHAT_FIELDS' "off" values.
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -250,6 +248,9 @@ def reject_unsupported(body: SamplingFields) -> None:
         if not _is_one_of(getattr(body, name), off):
             why = WHY_REFUSED.get(name, "it is not implemented")
             raise APIError(f"{name} is not supported by tinyserve ({why}); leave it out", param=name)
+    if isinstance(body, ChatCompletionRequest) and body.stream and body.tool_choice == "required":
+        raise APIError('tool_choice "required" is not available when streaming (the calls are read from the whole '
+                       'answer): set stream to false, or name the function', param="tool_choice")
     if body.prompt_logprobs is not None and body.stream:
         raise APIError("prompt_logprobs are not available when streaming (as in vLLM)", param="prompt_logprobs")
     echo_k = body.logprobs if isinstance(body, CompletionRequest) and body.echo else None
@@ -318,6 +319,14 @@ def check_ranges(body: SamplingFields, vocab_size: int, max_num_seqs: int) -> No
                        param="top_k")
     if any(not 0 <= t < vocab_size for t in body.stop_token_ids or []):
         raise APIError(f"stop_token_ids must be token ids in [0, {vocab_size})", param="stop_token_ids")
+    if any(not 0 <= t < vocab_size for t in body.allowed_token_ids or []):
+        raise APIError(f"allowed_token_ids must be token ids in [0, {vocab_size})", param="allowed_token_ids")
+    for key, bias in (body.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise APIError(f"logit_bias keys must be token ids in [0, {vocab_size}), written as strings, got {key!r}",
+                           param="logit_bias")
+        if not -100 <= bias <= 100:
+            raise APIError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}", param="logit_bias")
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
@@ -386,7 +395,8 @@ def _arguments(arguments: str):
     return parsed if isinstance(parsed, dict) else arguments
 
 
-def to_sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
+def to_sampling_params(body: SamplingFields, max_tokens: int,
+                       guided: GuidedDecodingParams | None = None) -> SamplingParams:
     """The engine's SamplingParams for a request; its ValueErrors become 400s naming the field.
 
     Completions' ``logprobs: k`` asks for k per output token, and with ``echo`` for the prompt's
@@ -394,7 +404,7 @@ def to_sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
     generates one token, which the answer drops (as vLLM v0.4 does)."""
     if isinstance(body, ChatCompletionRequest):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        prompt_logprobs, best_of = None, None
+        prompt_logprobs, best_of = body.prompt_logprobs, None
     else:
         logprobs, best_of = body.logprobs, body.best_of
         prompt_logprobs = logprobs if body.echo and logprobs is not None else body.prompt_logprobs
@@ -405,7 +415,10 @@ def to_sampling_params(body: SamplingFields, max_tokens: int) -> SamplingParams:
                               presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                               repetition_penalty=body.repetition_penalty, min_p=body.min_p,
                               min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              include_stop_str_in_output=body.include_stop_str_in_output)
+                              include_stop_str_in_output=body.include_stop_str_in_output,
+                              logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
+                              allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or None,
+                              guided_decoding=guided)
     except ValueError as e:
         raise APIError(str(e), param=field_named(str(e))) from None
 
@@ -414,7 +427,8 @@ def field_named(message: str) -> str | None:
     """The SamplingParams field an error message is about (it names the field, usually first)."""
     fields = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop_token_ids",
               "stop", "ignore_eos", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
-              "logprobs", "prompt_logprobs", "include_stop_str_in_output")
+              "logprobs", "prompt_logprobs", "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
+              "bad_words")
     words = [w.strip("`'\":,.=()") for w in message.replace("=", " ").split()]
     return next((w for w in words if w in fields), None)
 

@@ -75,7 +75,7 @@ async def stream_events(loop: EngineLoop, request_id: str, mailbox: Mailbox, fir
                     logprobs = fmt.logprobs(ids, entries, text_offsets[c.index])
                     if fmt.texts is not None:  # offsets count token texts, as the whole answer's do
                         text_offsets[c.index] += sum(len(fmt.texts[t]) for t in ids)
-                    piece = {"delta": {"content": text}} if chat else {"text": text}
+                    piece = fmt.piece(c.index, text)
                     yield event([{"index": c.index, **piece, "logprobs": logprobs, "finish_reason": c.finish_reason}])
             if out.finished:
                 if out.error:

@@ -15,6 +15,15 @@ The request bodies are vLLM's (``TokenizeCompletionRequest``, ``TokenizeChatRequ
 outside the vocabulary is a 400 naming it. ``/tokenizer_info`` is the tokenizer's configuration
 (``tokenizer_config.json``'s fields, as vLLM returns them, without file paths), which is what
 lm-eval reads its special tokens and chat template from.
+
+Under ``--api-key`` these routes need the key, as every route does but ``/health`` and
+``/metrics`` (``guard.OPEN_PATHS``). vLLM differs here: its ``AuthenticationMiddleware``
+(``vllm/entrypoints/serve/utils/server_utils.py``) guards only paths starting with ``/v1``, ``/v2``,
+``/inference`` or ``/cohere``, so its ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` and
+``/version`` are open. They stay guarded here because ``/tokenize`` renders chat templates and
+tokenizes bodies up to the size limit (work anyone could make the server do) and
+``/tokenizer_info`` hands out the chat template; no client loses by it, since those that call
+them send the key they send to ``/v1`` (lm-eval's ``RemoteTokenizer`` does).
 """
 
 from __future__ import annotations
