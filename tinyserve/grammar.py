@@ -17,6 +17,7 @@ Why llguidance: ``benchmarks/grammar_libraries.py`` measures it against xgrammar
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence as Tokens
 
 import torch
@@ -49,8 +50,9 @@ def grammar_text(params: GuidedDecodingParams) -> str:
 class GrammarCompiler:
     """Compiles requests' grammars against one tokenizer, and builds matchers from them.
 
-    The tokenizer's llguidance view is built on first use (a fraction of a second), and its first
-    mask warms llguidance's token trie (about 3 s on a 49k vocabulary): ``warm`` pays both up front."""
+    The tokenizer's llguidance view is built on first use (about half a second on a 49k
+    vocabulary): ``warm`` pays it up front. The server calls it on its tokenizer thread when the
+    first structured request comes, so the engine's thread never waits for it."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None) -> None:
         self.tokenizer = tokenizer
@@ -58,19 +60,24 @@ class GrammarCompiler:
         self.eos_token_id = eos_token_id
         self._ll = None
         self._compiled: dict[str, str] = {}
+        self._lock = threading.Lock()  # the server's tokenizer thread and the engine's both come here
+        self._warm = False
 
     @property
     def ll_tokenizer(self):
-        if self._ll is None:
-            import llguidance.hf
+        with self._lock:
+            if self._ll is None:
+                import llguidance.hf
 
-            self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                   eos_token=self.eos_token_id)
-        return self._ll
+                self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                       eos_token=self.eos_token_id)
+            return self._ll
 
     def warm(self) -> None:
         """Build the tokenizer's view and compute one mask, so no request waits for either."""
-        self.matcher(GuidedDecodingParams(json_object=True)).allowed()
+        if not self._warm:
+            self.matcher(GuidedDecodingParams(json_object=True)).allowed()
+            self._warm = True
 
     def compile(self, params: GuidedDecodingParams) -> str:
         """The checked grammar for ``params``, or a ValueError that names what is wrong with it."""
@@ -116,9 +123,11 @@ class GrammarState:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens into ``bitmask[row]`` (int32 words, bit ``t % 32`` of word
         ``t // 32`` set when token t is allowed)."""
-        import llguidance.torch
-
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
+        words = bitmask[row]
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not words.is_contiguous():
+            raise ValueError("the bitmask must be a contiguous int32 tensor on the CPU")
+        # llguidance writes the words itself (and lets go of the GIL while it works).
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
     def allowed(self) -> torch.Tensor:
         """The allowed tokens as a bool vector over the vocabulary (for pictures and tests)."""
@@ -137,9 +146,22 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.flatten(1)[:, :vocab_size].bool()
 
 
+_BYTE_TO_BIAS: torch.Tensor | None = None
+
+
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set, in place, every logit whose token's bit is clear to -inf (rows of ``logits`` and
-    ``bitmask`` correspond)."""
-    import llguidance.torch
+    ``bitmask`` correspond).
 
-    llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
+    The same as ``logits.masked_fill_(~unpack_bitmask(...), -inf)``, faster: each byte of the mask
+    looks up its row of eight biases (0 for an allowed token, -inf for the others) in a 256 x 8
+    table, and the biases are added. (llguidance's own apply is a ``torch.compile``d kernel whose
+    first call compiles for seconds, with a C++ compiler: ``benchmarks/grammar_libraries.py``.)"""
+    global _BYTE_TO_BIAS
+    if _BYTE_TO_BIAS is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        _BYTE_TO_BIAS = torch.zeros(256, 8).masked_fill_(bits == 0, float("-inf"))
+    # Little-endian words: byte k of word i holds tokens 32 i + 8 k to 32 i + 8 k + 7, lowest bit first.
+    as_bytes = bitmask.contiguous().view(torch.uint8).reshape(-1).long()
+    bias = _BYTE_TO_BIAS.index_select(0, as_bytes).view(bitmask.shape[0], -1)
+    logits += bias[:, :logits.shape[1]].to(logits.dtype)
