@@ -23,7 +23,7 @@ LAYERS = [
     ["cache_engine"],
     ["attention"],
     ["models"],
-    ["model_runner", "grammar", "constraints", "sampler", "logprobs", "worker", "detokenizer"],
+    ["model_runner", "grammar", "constraints", "sampler", "logprobs", "beam_search", "worker", "detokenizer"],
     ["outputs", "engine", "llm", "__main__"],
     ["parallel"],
     ["serve"],

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from tinyserve import beam_search
 from tinyserve.attention.backend import BackendSpec
 from tinyserve.cache_engine import CacheEngine
 from tinyserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -90,7 +91,8 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
         self._callbacks: list[StepCallback] = []
         self._groups: dict[str, SequenceGroup] = {}
-        self._outputs = OutputBuilder(scheduler_config.compat)  # each request's outputs in the kind it asked for
+        # Each request's outputs in the kind it asked for.
+        self._outputs = OutputBuilder(scheduler_config.compat, self.eos_token_id)
         self._generators: dict[int, torch.Generator] = {}
         self._seq_ids = itertools.count()
         self.recorder = None
@@ -179,18 +181,29 @@ class LLMEngine:
         logprobs = sampled_logprobs(logits, requests, samples) if rows else []
         t3 = time.perf_counter()
         produced: list[tuple[SequenceGroup, Sequence, int]] = []
+        beams: dict[str, tuple[SequenceGroup, list]] = {}
         for (_, group, seq), tokens, row_logprobs in zip(rows, samples, logprobs):
             if seq.is_finished():
                 continue  # its request failed on an earlier row of this step
             if isinstance(tokens, Exception):
                 self.fail(group, f"sampling failed: {tokens}")
                 continue
+            # >>> fold: chapter 14: a beam search's rows are decided together, after the loop
+            if group.sampling_params.use_beam_search:
+                beams.setdefault(group.request_id, (group, []))[1].append((seq, tokens, row_logprobs))
+                continue
+            # <<<
             # The first token is the row's own; each other one (best_of > 1 at a prompt) starts a fork.
             seqs = [seq] + [self.fork(group, seq, t, lp) for t, lp in zip(tokens[1:], row_logprobs[1:])]
             seq.append_token_id(tokens[0], *row_logprobs[0])
             for s, token in zip(seqs, tokens):
                 self.check_stop(group, s)
                 produced.append((group, s, token))
+        # >>> fold: chapter 14: beam search
+        for group, beam_rows in beams.values():
+            if not group.is_finished():
+                produced += self.beam_step(group, beam_rows)
+        # <<<
         finished = [g.request_id for g in groups if g.is_finished()]
         self.scheduler.free_finished_seq_groups()
         outputs = [o for o in map(self.output, groups + out.ignored_seq_groups) if o is not None]
@@ -220,12 +233,66 @@ class LLMEngine:
         draw: ``best_of`` for a prompt's first sample (one row, then forks), otherwise 1."""
         params = meta.sampling_params
         first = meta.is_prompt and seq.get_output_len() == 0 and len(meta.seq_data) == 1
+        num_samples = params.num_samples if first else 1
+        if params.use_beam_search:  # every beam proposes its 2W likeliest tokens (beam_search.candidates)
+            num_samples = 2 * params.num_samples
         constraints = (self.constraints.row(meta.request_id, seq.seq_id, params, seq.output_token_ids)
                        if params.has_constraints else None)
-        return SampleRequest(params, num_samples=params.num_samples if first else 1,
+        return SampleRequest(params, num_samples=num_samples,
                              generator=self._generators.get(seq.seq_id), prompt_token_ids=seq.prompt_token_ids,
                              output_token_ids=seq.output_token_ids, eos_token_id=self.eos_token_id,
                              constraints=constraints)
+
+    def beam_step(self, group: SequenceGroup,
+                  rows: list[tuple[Sequence, list[int], list[tuple[float, dict | None]]]]) -> list:
+        """One step of a beam search (chapter 14, ``beam_search.py``), as v0.4's
+        ``_process_sequence_group_outputs``: ``rows`` holds each running beam with the tokens it
+        proposes and their logprobs. The best 2W continuations become children (a parent's last
+        one continues the parent, the others fork it; a parent with none drops out), the stop
+        checks run, and ``beam_search.select`` decides who goes on: the others are freed. Returns
+        the (group, sequence, token) of the beams that took a token and stay."""
+        params = group.sampling_params
+        width = params.num_samples
+        existing_finished = [s for s in group.get_seqs() if s.is_finished()]
+        parents = [seq for seq, _, _ in rows]
+        proposals = [dict(zip(tokens, entries)) for _, tokens, entries in rows]
+        chosen = beam_search.candidates([p.cumulative_logprob for p in parents], [list(p) for p in proposals],
+                                        [[lp for lp, _ in p.values()] for p in proposals], width)
+        children: list[Sequence] = []
+        for i, parent in enumerate(parents):
+            mine = [c for c in chosen if c.parent == i]
+            if not mine:  # no continuation among the best 2W: this beam drops out
+                group.remove(parent.seq_id)
+                self.scheduler.free_seq(parent)
+                continue
+            for c in mine[:-1]:
+                # Forked in the block manager now, while the parent's blocks are whole (its own
+                # stop check may free them); a child that is not kept is freed below.
+                child = parent.fork(next(self._seq_ids))
+                self.scheduler.fork_seq(parent, child)
+                child.append_token_id(c.token, *proposals[i][c.token])
+                children.append(child)
+            parent.append_token_id(mine[-1].token, *proposals[i][mine[-1].token])
+            children.append(parent)
+        for seq in children:
+            self.check_stop(group, seq)
+        if group.error is not None:  # a stop check failed the request: free the children never added
+            for seq in children:
+                self.scheduler.free_seq(seq)
+            return []
+        max_len = max(group.prompt_len + params.max_tokens, self.scheduler_config.max_model_len)
+        decided = beam_search.select(children, existing_finished, width, params.length_penalty,
+                                     params.early_stopping, self.eos_token_id, max_len)
+        for seq in decided.keep:
+            if seq.seq_id not in group.seqs_dict:
+                group.add(seq)
+        for seq in decided.drop:
+            if seq.seq_id in group.seqs_dict:  # a parent that does not go on
+                group.remove(seq.seq_id)
+            self.scheduler.free_seq(seq)
+        for seq in decided.drop_finished:
+            group.remove(seq.seq_id)
+        return [(group, s, s.get_last_token_id()) for s in decided.keep]
 
     def take_prompt_logprobs(self, metas: list[SequenceGroupMetadata], logits: torch.Tensor) -> torch.Tensor:
         """Split the executor's logits: the rows after the sampled ones are prompt positions that

@@ -9,6 +9,7 @@ costs time and memory in proportion to the length, at every step. ``StepEvent`` 
 
 A request with ``best_of`` > n draws best_of samples and reports the n with the highest
 cumulative logprob, ranked, once they are all finished: which n those are is not known before.
+A beam search reports its n best beams by beam score (v0.4's ``RequestOutput.from_seq_group``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tinyserve.beam_search import beam_score
 from tinyserve.scheduler import SchedulerOutputs
 from tinyserve.sequence import Sequence, SequenceGroup
 
@@ -53,7 +55,8 @@ class OutputBuilder:
     sequence add up to its final text and token ids.
     """
 
-    def __init__(self, compat: str = "tinyserve") -> None:
+    def __init__(self, compat: str = "tinyserve", eos_token_id: int | None = None) -> None:
+        self.eos_token_id = eos_token_id  # a beam's score does not count a final EOS
         self._reported: dict[int, tuple[int, int]] = {}  # seq_id -> (tokens, characters) reported
         # vLLM v0.4 reports a refused (ignored) request's finish_reason as "length".
         self._ignored_reason = "length" if compat == "vllm-0.4" else "ignored"
@@ -65,7 +68,12 @@ class OutputBuilder:
         if kind == "final_only" and not group.is_finished():
             return None
         seqs = group.get_seqs()
-        if params.num_samples > params.n:  # best_of: the n likeliest, known only at the end
+        if params.use_beam_search:  # the n best beams, by beam score
+            if kind == "delta" and not group.is_finished():
+                return None
+            seqs = sorted(seqs, key=lambda s: beam_score(s, params.length_penalty, self.eos_token_id),
+                          reverse=True)[:params.n]
+        elif params.num_samples > params.n:  # best_of: the n likeliest, known only at the end
             if kind == "delta" and not group.is_finished():
                 return None
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:params.n]

@@ -124,7 +124,13 @@ class Sampler:
             for i, r in enumerate(requests):
                 if r.constraints is not None and r.constraints.error:
                     results[i] = ValueError(r.constraints.error)
-        greedy = [i for i, r in enumerate(requests) if r.params.greedy and results[i] is None]
+        for i, r in enumerate(requests):
+            if r.params.use_beam_search and results[i] is None:
+                # A beam proposes its likeliest tokens; the engine's beam step picks among all
+                # beams' proposals (beam_search.py).
+                results[i] = logits[i].topk(min(r.num_samples, logits.shape[-1])).indices.tolist()
+        greedy = [i for i, r in enumerate(requests)
+                  if r.params.greedy and not r.params.use_beam_search and results[i] is None]
         if greedy:
             # An all-greedy batch (the common case) takes the argmax in place: gathering the
             # rows first would copy every logit (50 MB at batch 256) for nothing.

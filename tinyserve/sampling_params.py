@@ -76,6 +76,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be drawn
     bad_words: list[str] | None = None  # words the output may not contain (as the tokenizer spells them)
     guided_decoding: GuidedDecodingParams | None = None  # a JSON schema, regex, choice or grammar to follow
+    # Beam search (chapter 14), v0.4's fields: best_of is the beam width.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # a beam's score is its cumulative logprob / length ** length_penalty
+    early_stopping: bool | str = False  # True, False or "never": when no running beam can win (beam_search.py)
 
     def __post_init__(self) -> None:
         self.verify()
@@ -111,10 +115,40 @@ class SamplingParams:
             raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         self._verify_v04_fields()
         self._verify_constraints()
+        if self.use_beam_search is not False:
+            self._verify_beam_search()
+            return
+        if self.early_stopping is not False:
+            raise ValueError("early_stopping is not effective and must be False when not using beam search")
+        if not _is_finite_number(self.length_penalty) or abs(self.length_penalty - 1.0) > 1e-5:
+            raise ValueError("length_penalty is not effective and must be the default value of 1.0 when not using "
+                             "beam search")
         if self.n > 1 and self.temperature == 0:
             raise ValueError("n > 1 needs temperature > 0: greedy samples would all be identical")
         if self.num_samples > 1 and self.temperature == 0:
             raise ValueError("best_of > 1 needs temperature > 0: greedy samples would all be identical")
+
+    def _verify_beam_search(self) -> None:
+        """v0.4's checks (``_verify_beam_search``), then what tinyserve does not combine with it."""
+        if self.use_beam_search is not True:
+            raise ValueError(f"use_beam_search must be True or False, got {self.use_beam_search!r}")
+        if self.num_samples == 1:
+            raise ValueError(f"best_of must be greater than 1 when using beam search, got {self.num_samples}")
+        if self.temperature != 0:
+            raise ValueError("temperature must be 0 when using beam search")
+        if self.top_p != 1.0:
+            raise ValueError("top_p must be 1 when using beam search")
+        if self.top_k != -1:
+            raise ValueError("top_k must be -1 when using beam search")
+        if not isinstance(self.early_stopping, (bool, str)) or self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if not _is_finite_number(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        # tinyserve ranks beams by the model's own log-probabilities: anything that changes the
+        # logits (v0.4 ranks by the changed ones) is refused rather than ranked inconsistently.
+        if self.has_penalties or self.min_p != 0 or self.min_tokens != 0 or self.has_constraints:
+            raise ValueError("tinyserve does not combine beam search with penalties, min_p, min_tokens, logit_bias, "
+                             "allowed_token_ids, bad_words or guided decoding")
 
     def _verify_v04_fields(self) -> None:
         if self.best_of is not None:

@@ -182,6 +182,10 @@ class SequenceGroup:
     def prompt_token_ids(self) -> list[int]:
         return next(iter(self.seqs_dict.values())).prompt_token_ids
 
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
     def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
         if status is None:
             return list(self.seqs_dict.values())
@@ -211,6 +215,12 @@ class SequenceGroup:
         if seq.seq_id in self.seqs_dict:
             raise ValueError(f"sequence {seq.seq_id} is already in group {self.request_id}")
         self.seqs_dict[seq.seq_id] = seq
+
+    def remove(self, seq_id: int) -> None:
+        """Take a sequence out of the group (a beam that dropped out: beam search, chapter 14)."""
+        if seq_id not in self.seqs_dict:
+            raise ValueError(f"sequence {seq_id} is not in group {self.request_id}")
+        del self.seqs_dict[seq_id]
 
     def is_finished(self) -> bool:
         return all(s.is_finished() for s in self.seqs_dict.values())
