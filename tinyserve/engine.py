@@ -52,18 +52,20 @@ class LLMEngine:
     arguments) the Worker builds its KV cache with, default ``CacheEngine``; ``prepare_inputs``,
     the function the Worker packs a round's inputs with (see ``Worker``); and ``sampler``, an
     object called as ``sampler(logits, sample_requests)`` like ``Sampler``, default
-    ``Sampler(model_config.seed)``. ``executor`` replaces the Worker itself.
+    ``Sampler(model_config.seed)``; ``beam_select``, a function called like
+    ``beam_search.select`` that decides which beams of a beam search go on (chapter 14).
+    ``executor`` replaces the Worker itself.
     """
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
                  parallel_config: ParallelConfig | None = None, attention_backend: BackendSpec = "auto",
                  gpu_memory_utilization: float = 0.9, swap_space_gib: float = 1.0, executor=None,
                  record_history: bool = False, cache_engine=None, sampler=None, scheduler=None,
-                 prepare_inputs=None) -> None:
+                 prepare_inputs=None, beam_select=None) -> None:
         self.model_config = model_config
         parallel_config = parallel_config or ParallelConfig()
         _check_hooks(executor, parallel_config, cache_engine=cache_engine, sampler=sampler, scheduler=scheduler,
-                     prepare_inputs=prepare_inputs)
+                     prepare_inputs=prepare_inputs, beam_select=beam_select)
         if executor is None:
             executor = _make_executor(model_config, parallel_config, attention_backend, cache_engine, prepare_inputs)
         self.executor = executor
@@ -82,6 +84,7 @@ class LLMEngine:
         self.scheduler_config = scheduler_config
         self.scheduler = (scheduler or Scheduler)(scheduler_config, cache_config)
         self.sampler = sampler if sampler is not None else Sampler(model_config.seed)
+        self.beam_select = beam_select if beam_select is not None else beam_search.select
         self.eos_token_id = self.tokenizer.eos_token_id
         self.vocab_size = hf.vocab_size
         self.constraints = RequestConstraints(self.tokenizer, self.vocab_size, self.eos_token_id)
@@ -281,7 +284,7 @@ class LLMEngine:
                 self.scheduler.free_seq(seq)
             return []
         max_len = max(group.prompt_len + params.max_tokens, self.scheduler_config.max_model_len)
-        decided = beam_search.select(children, existing_finished, width, params.length_penalty,
+        decided = self.beam_select(children, existing_finished, width, params.length_penalty,
                                      params.early_stopping, self.eos_token_id, max_len)
         for seq in decided.keep:
             if seq.seq_id not in group.seqs_dict:
@@ -431,6 +434,8 @@ _HOOK_KINDS = {
     "cache_engine": "a CacheEngine class or a factory taking its arguments",
     "prepare_inputs": "a function called as prepare_inputs(groups, block_size, device), like model_runner's",
     "sampler": "callable as sampler(logits, sample_requests), like Sampler",
+    "beam_select": "a function called like beam_search.select(children, finished, width, length_penalty, "
+                   "early_stopping, eos_token_id, max_len)",
     "scheduler": "a Scheduler class or a factory called as scheduler(scheduler_config, cache_config)",
 }
 _WORKER_PARTS = ("cache_engine", "prepare_inputs")  # given to the Worker the engine builds

@@ -37,8 +37,9 @@ class LLM:
     object (two methods, see ``tinyserve.attention.backend``) that then runs in every attention
     layer of the real engine. ``scheduler`` (a Scheduler class or factory), ``cache_engine`` (a
     CacheEngine class or factory), ``prepare_inputs`` (a function like
-    ``model_runner.prepare_inputs``) and ``sampler`` (an object called like ``Sampler``) replace
-    those parts of the engine (see ``LLMEngine``).
+    ``model_runner.prepare_inputs``), ``sampler`` (an object called like ``Sampler``) and
+    ``beam_select`` (a function called like ``beam_search.select``) replace those parts of the
+    engine (see ``LLMEngine``).
     """
 
     def __init__(self, model: str = "smollm2-135m", *, device: str = "auto", dtype: str | torch.dtype = "auto",
@@ -49,7 +50,7 @@ class LLM:
                  enable_prefix_caching: bool | None = None, enable_chunked_prefill: bool | None = None,
                  gpu_memory_utilization: float = 0.9, swap_space: float = 1.0, record_history: bool = False,
                  compat: str = "tinyserve", cache_engine=None, sampler=None, scheduler=None,
-                 prepare_inputs=None) -> None:
+                 prepare_inputs=None, beam_select=None) -> None:
         model_config = ModelConfig(model=model, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len)
         check_backend(attention_backend)  # refused before any weights are read
         cache_config = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
@@ -65,7 +66,7 @@ class LLM:
                                 attention_backend=attention_backend, gpu_memory_utilization=gpu_memory_utilization,
                                 swap_space_gib=swap_space, record_history=record_history,
                                 cache_engine=cache_engine, sampler=sampler, scheduler=scheduler,
-                                prepare_inputs=prepare_inputs)
+                                prepare_inputs=prepare_inputs, beam_select=beam_select)
         self._counter = itertools.count()
 
     @property
