@@ -21,6 +21,10 @@ from tinyserve.grammar import GrammarCompiler, GrammarState, allocate_bitmask, a
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.sequence import check_token_ids
 
+# Every message of a request failed by its own constraints says this (the server answers it as
+# the client's error, a 400, rather than the server's).
+UNSATISFIABLE = "the request's constraints"
+
 
 @dataclass
 class RowConstraints:
@@ -88,7 +92,7 @@ class RequestConstraints:
             try:
                 grammar.sync(output_token_ids)
             except ValueError as e:
-                grammar, error = None, f"guided decoding: {e}"
+                grammar, error = None, f"{UNSATISFIABLE} failed: guided decoding: {e}"
         return RowConstraints(self._bad_words.get(request_id, []), grammar, error)
 
     def forget(self, request_id: str, seq_ids: list[int]) -> None:

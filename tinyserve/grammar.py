@@ -18,16 +18,68 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence as Tokens
 
 import torch
 
 from tinyserve.guided_params import GuidedDecodingParams
 
+COMPILED_KEPT = 256  # grammars kept compiled (each is its text: a few kilobytes at most, as a rule)
+
 # JSON as json.dumps writes it: one space after each separator, no other whitespace. llguidance's
 # default lets whitespace go anywhere (so does vLLM's, unless ``disable_any_whitespace``), and a
 # small model can spend every token it has on it; a schema's "x-guidance" key may still ask for it.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# What one request's grammar may cost (issue 36, item 4; tests/test_structured_limits.py has the
+# measurements). A literal's first mask takes time in proportion to its length (0.7 s for 100k
+# characters), and a grammar of 100k characters still compiles in well under a second.
+MAX_GRAMMAR_CHARS = 100_000
+# Lark alternatives compile in time quadratic in their number (10k choices: a second and more).
+MAX_CHOICES = 1000
+# llguidance's regex budget (its default is 1M): "a{1000}{1000}" spent seconds on its first mask
+# under the default, 0.2 s under this; a JSON enum of a few thousand strings still fits.
+INITIAL_LEXER_FUEL = 100_000
+# llguidance compiles a grammar's rules recursively: a chain of about a thousand $refs, or three
+# thousand Lark rules, overflows an 8 MB thread stack, which kills the whole process (SIGSEGV).
+# Grammars are built on a thread with this much stack (address space, touched only as used),
+# enough for the deepest chain MAX_GRAMMAR_CHARS allows, about 25k rules, several times over.
+GRAMMAR_STACK_BYTES = 256 << 20
+_stack_lock = threading.Lock()
+
+
+def parser_limits():
+    """llguidance's limits for every grammar here: a smaller regex budget, and errors without the
+    parser's state and the grammar in them (a client's error message has no use for either)."""
+    import llguidance
+
+    return llguidance.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL, verbose_errors=False)
+
+
+def on_grammar_stack(fn, *args):
+    """``fn(*args)`` on a fresh thread with GRAMMAR_STACK_BYTES of stack (see above); its
+    exception, if any, is raised here. llguidance lets go of the GIL, so nothing else waits."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn(*args)))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            result.append((False, e))
+
+    with _stack_lock:  # the stack size is process-wide: set it only for this thread
+        previous = threading.stack_size(GRAMMAR_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="grammar", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 def grammar_text(params: GuidedDecodingParams) -> str:
@@ -59,7 +111,10 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._ll = None
-        self._compiled: dict[str, str] = {}
+        # Checked grammars by key, the most recently used last: a server that meets many schemas
+        # keeps the latest COMPILED_KEPT, not all of them.
+        self._compiled: OrderedDict[str, str] = OrderedDict()
+        self._cache_lock = threading.Lock()
         self._lock = threading.Lock()  # the server's tokenizer thread and the engine's both come here
         self._warm = False
 
@@ -81,24 +136,54 @@ class GrammarCompiler:
 
     def compile(self, params: GuidedDecodingParams) -> str:
         """The checked grammar for ``params``, or a ValueError that names what is wrong with it."""
+        try:
+            key = params.key()
+        except RecursionError:  # json.dumps recurses once per level of the schema
+            raise ValueError(f"guided {params.kind}: the schema is nested too deeply") from None
+        with self._cache_lock:
+            text = self._compiled.get(key)
+            if text is not None:
+                self._compiled.move_to_end(key)
+                return text
+        if params.kind == "choice" and len(params.choice) > MAX_CHOICES:
+            raise ValueError(f"guided choice: {len(params.choice)} choices, more than this server compiles "
+                             f"({MAX_CHOICES})")
+        try:
+            text = grammar_text(params)
+        except (ValueError, TypeError, RuntimeError, RecursionError) as e:
+            raise ValueError(f"guided {params.kind}: {e}") from None
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"guided {params.kind}: the grammar is {len(text)} characters long, more than this "
+                             f"server compiles ({MAX_GRAMMAR_CHARS})")
+        error = on_grammar_stack(self._check, text)
+        if error:
+            raise ValueError(f"guided {params.kind}: {error.strip()}")
+        with self._cache_lock:
+            self._compiled[key] = text
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return text
+
+    def _check(self, text: str) -> str:
+        """llguidance's complaint about ``text`` (empty when none). Some only show when a matcher
+        computes its first mask (a $ref cycle, a regex over its budget): one is computed here, on
+        the server's tokenizer thread, so such a grammar is refused by name, not failed mid-answer."""
         import llguidance
 
-        key = params.key()
-        if key not in self._compiled:
-            try:
-                text = grammar_text(params)
-            except (ValueError, TypeError, RuntimeError) as e:
-                raise ValueError(f"guided {params.kind}: {e}") from None
-            error = llguidance.LLMatcher.validate_grammar(text, self.ll_tokenizer)
-            if error:
-                raise ValueError(f"guided {params.kind}: {error.strip()}")
-            self._compiled[key] = text
-        return self._compiled[key]
+        error = llguidance.LLMatcher.validate_grammar(text, self.ll_tokenizer, limits=parser_limits())
+        if error:
+            return short_error(error)
+        state = GrammarState(llguidance.LLMatcher(self.ll_tokenizer, text, limits=parser_limits()), self.vocab_size)
+        if not state.allowed().any() and state.error:
+            return f"no output can satisfy it (llguidance: {state.error}; a $ref cycle does this)"
+        return state.error or ""
 
     def matcher(self, params: GuidedDecodingParams) -> GrammarState:
         import llguidance
 
-        return GrammarState(llguidance.LLMatcher(self.ll_tokenizer, self.compile(params)), self.vocab_size)
+        text = self.compile(params)
+        matcher = on_grammar_stack(lambda: llguidance.LLMatcher(self.ll_tokenizer, text, limits=parser_limits()))
+        return GrammarState(matcher, self.vocab_size)
 
 
 class GrammarState:
@@ -113,12 +198,12 @@ class GrammarState:
         """Consume the output tokens not yet consumed (the ones sampled since the last step)."""
         for token in output_token_ids[self.consumed:]:
             if not self.matcher.consume_token(token):
-                raise ValueError(f"token {token} breaks the grammar: {self.matcher.get_error()}")
+                raise ValueError(f"token {token} breaks the grammar: {short_error(self.matcher.get_error())}")
             self.consumed += 1
 
     @property
     def error(self) -> str | None:
-        return self.matcher.get_error() or None if self.matcher.is_error() else None
+        return short_error(self.matcher.get_error()) or None if self.matcher.is_error() else None
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens into ``bitmask[row]`` (int32 words, bit ``t % 32`` of word
@@ -128,12 +213,22 @@ class GrammarState:
             raise ValueError("the bitmask must be a contiguous int32 tensor on the CPU")
         # llguidance writes the words itself (and lets go of the GIL while it works).
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        if self.matcher.is_error():
+            # A limit hit mid-answer: llguidance leaves EOS allowed, which would end the answer
+            # as if complete. No token at all fails the row alone, by name (the sampler's check).
+            words.zero_()
 
     def allowed(self) -> torch.Tensor:
         """The allowed tokens as a bool vector over the vocabulary (for pictures and tests)."""
         bitmask = allocate_bitmask(1, self.vocab_size)
         self.fill_bitmask(bitmask, 0)
         return unpack_bitmask(bitmask, self.vocab_size)[0]
+
+
+def short_error(error: str) -> str:
+    """llguidance's message without the parser-state dump it appends (``<state>...``, or
+    ``<non-verbose/>`` under ``verbose_errors=False``)."""
+    return error.split("\n<", 1)[0].strip()
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

@@ -54,5 +54,7 @@ class GuidedDecodingParams:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> str:
-        """A text that identifies the grammar (requests with the same key share one compilation)."""
-        return json.dumps([self.kind, getattr(self, self.kind)], sort_keys=True)
+        """A text that identifies the grammar (requests with the same key share one compilation).
+        Not sort_keys: a schema's property order is the order the output writes them in, so two
+        schemas that differ only in it are different grammars."""
+        return json.dumps([self.kind, getattr(self, self.kind)])

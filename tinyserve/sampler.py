@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tinyserve.constraints import RowConstraints, apply_constraints
+from tinyserve.constraints import UNSATISFIABLE, RowConstraints, apply_constraints
 from tinyserve.sequence import SamplingParams
 
 
@@ -119,8 +119,8 @@ class Sampler:
             # A mask may leave nothing (a complete grammar allows only EOS, which min_tokens bans):
             # argmax would still return a token, so such a row fails here, by name.
             for i in (~torch.isfinite(logits).any(dim=-1)).nonzero().flatten().tolist():
-                results[i] = ValueError("no token may be drawn: the request's constraints (grammar, "
-                                        "allowed_token_ids, bad_words, min_tokens) exclude every token")
+                results[i] = ValueError(f"no token may be drawn: {UNSATISFIABLE} (grammar, allowed_token_ids, "
+                                        "bad_words, min_tokens) exclude every token")
             for i, r in enumerate(requests):
                 if r.constraints is not None and r.constraints.error:
                     results[i] = ValueError(r.constraints.error)

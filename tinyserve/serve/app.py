@@ -209,6 +209,7 @@ def create_app(engine: LLMEngine, model_name: str | None = None, max_body_bytes:
         milliseconds) so that one that cannot be is a 400 naming the field that asked for it."""
         guided, plan, param = guided_decoding(body, chat)
         if guided is not None:
+            await off_the_engine(engine.constraints.grammars.warm)  # once: seconds on a large vocabulary
             try:
                 await off_the_engine(engine.constraints.grammars.compile, guided)
             except ValueError as e:

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
+from tinyserve.constraints import UNSATISFIABLE
 from tinyserve.engine import RequestOutput
 from tinyserve.guided_params import GuidedDecodingParams
 from tinyserve.sequence import SamplingParams
@@ -450,6 +451,10 @@ def output_error(out: RequestOutput) -> APIError:
     up while others held the memory (``retryable``) is the server's failure, a 503 to retry.
     Anything else is the engine failing on the request (a 500)."""
     log.warning("request %s ended with an error: %s", out.request_id, out.error)
+    if out.error and UNSATISFIABLE in out.error:
+        # The request's own constraints (a grammar, allowed_token_ids, bad_words, min_tokens) left
+        # no token to draw, or a grammar outgrew its bounds: the client's request, not the server.
+        return APIError(f"this request's constraints cannot be met: {out.error}", code="constraints_unsatisfiable")
     if out.retryable:
         return APIError("The server ran out of memory for this request while serving others, and had to stop it. "
                         "Retry it later.", status=503, type_="server_error", code="server_overloaded")

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tinyserve.guided_params import GuidedDecodingParams
 from tinyserve.serve.bodies import APIError
@@ -50,10 +50,19 @@ class ResponseFormat(BaseModel):
 class FunctionDefinition(BaseModel):
     model_config = STRICT
 
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, value: dict | None) -> dict | None:
+        # Arguments are a JSON object (OpenAI's rule): a schema of anything else is refused.
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError(f"a function's parameters must be the JSON schema of an object, "
+                             f"got type {value['type']!r}")
+        return value
 
 
 class Tool(BaseModel):
@@ -134,6 +143,9 @@ def guided_decoding(body, chat: bool) -> tuple[GuidedDecodingParams | None, Tool
     if not asked:
         return None, None, None
     param, kind = asked[0]
+    if param == "tool_choice":  # a grammar that does not compile is the function's parameters' fault
+        names = [t.function.name for t in body.tools]
+        param = "tools" if plan.name is None else f"tools.{names.index(plan.name)}.function.parameters"
     try:
         return GuidedDecodingParams(**kind), plan, param
     except ValueError as e:
@@ -153,10 +165,19 @@ def _tool_plan(tools: list[Tool] | None, choice) -> tuple[ToolPlan | None, dict 
                        'format, and this model has none. Name the function ({"type": "function", "function": '
                        '{"name": ...}}) or ask for "required"', param="tool_choice")
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                   "parameters": t.function.parameters or ANY_OBJECT},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-        return ToolPlan(None), {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        # Each schema moves from the root to items.anyOf, where its "#/$defs/..." references would
+        # point at nothing: its definitions move to the root with it (vLLM's way).
+        defs: dict = {}
+        calls = []
+        for t in tools:
+            params = dict(t.function.parameters or ANY_OBJECT)
+            for key in ("$defs", "definitions"):
+                for def_name, schema in (params.pop(key, None) or {}).items():
+                    if defs.setdefault(key, {}).setdefault(def_name, schema) != schema:
+                        raise APIError(f"two tools define {key}/{def_name} differently", param="tools")
+            calls.append({"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": params},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        return ToolPlan(None), {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **defs}
     wanted = choice.function.name
     for tool in tools:
         if tool.function.name == wanted:
