@@ -161,7 +161,7 @@ REFUSED = (
      ("/v1/completions", {"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
      ("/v1/completions", {"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
      ("/v1/completions", {"guided_grammar": "root ::= 'a'"}, "guided_grammar"),  # GBNF, not Lark
-     ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+     ("/v1/completions", {"use_beam_search": True, "stream": True}, "use_beam_search"),
      ("/v1/completions", {"suffix": "x"}, "suffix"),
      ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
      ("/v1/completions", {"metadata": {"k" * 65: "v"}}, "metadata.k" + "k" * 64),

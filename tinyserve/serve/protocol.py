@@ -111,7 +111,10 @@ class SamplingFields(BaseModel):
     # Refused by name unless off (UNIMPLEMENTED): the engine's detokenizer always skips special tokens.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Beam search (chapter 14), as v0.4's server took it: the width is best_of (n when unset).
     use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     top_k: int = Field(-1, ge=-1)  # extensions, as vLLM offers them; the vocabulary bounds top_k
     ignore_eos: bool = False
     stop_token_ids: StopTokenIds | None = None
@@ -181,7 +184,7 @@ class ChatMessage(BaseModel):
 # OpenAI's (and vLLM's) fields that tinyserve does not implement, each with the values that ask
 # for nothing (what a client sends to mean "off"): any other value is a 400 naming the field.
 UNIMPLEMENTED = {
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "use_beam_search": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
 }
 UNIMPLEMENTED_COMPLETION_FIELDS = {"suffix": (None,)}
 UNIMPLEMENTED_CHAT_FIELDS = {
@@ -252,6 +255,9 @@ def reject_unsupported(body: SamplingFields) -> None:
     if isinstance(body, ChatCompletionRequest) and body.stream and body.tool_choice == "required":
         raise APIError('tool_choice "required" is not available when streaming (the calls are read from the whole '
                        'answer): set stream to false, or name the function', param="tool_choice")
+    if body.use_beam_search and body.stream:
+        raise APIError("use_beam_search is not available when streaming: which beams win is known only at the end",
+                       param="use_beam_search")
     if body.prompt_logprobs is not None and body.stream:
         raise APIError("prompt_logprobs are not available when streaming (as in vLLM)", param="prompt_logprobs")
     echo_k = body.logprobs if isinstance(body, CompletionRequest) and body.echo else None
@@ -419,7 +425,8 @@ def to_sampling_params(body: SamplingFields, max_tokens: int,
                               include_stop_str_in_output=body.include_stop_str_in_output,
                               logit_bias={int(k): v for k, v in body.logit_bias.items()} if body.logit_bias else None,
                               allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or None,
-                              guided_decoding=guided)
+                              guided_decoding=guided, use_beam_search=body.use_beam_search,
+                              length_penalty=body.length_penalty, early_stopping=body.early_stopping)
     except ValueError as e:
         raise APIError(str(e), param=field_named(str(e))) from None
 
@@ -429,7 +436,7 @@ def field_named(message: str) -> str | None:
     fields = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop_token_ids",
               "stop", "ignore_eos", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
               "logprobs", "prompt_logprobs", "include_stop_str_in_output", "logit_bias", "allowed_token_ids",
-              "bad_words")
+              "bad_words", "use_beam_search", "length_penalty", "early_stopping")
     words = [w.strip("`'\":,.=()") for w in message.replace("=", " ").split()]
     return next((w for w in words if w in fields), None)
 
