@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from test_serve_schema import make_engine
 
 from tinyserve.sampling_params import SamplingParams
 from tinyserve.serve import ServerThread, create_app
-
-from test_serve_schema import make_engine
 
 PROMPT = "The future of AI is"
 

@@ -122,5 +122,7 @@ def apply_constraints(logits: torch.Tensor, params: list[SamplingParams], rows: 
         bitmask = allocate_bitmask(len(guided), logits.shape[-1])
         for k, i in enumerate(guided):
             rows[i].grammar.fill_bitmask(bitmask, k)
+            if rows[i].grammar.error:  # a parser limit hit while computing the mask: the row fails, named
+                rows[i].error = f"{UNSATISFIABLE} failed: guided decoding: {rows[i].grammar.error}"
         for k, i in enumerate(guided):
             apply_bitmask(logits[i:i + 1], bitmask[k:k + 1])

@@ -23,6 +23,7 @@ from collections.abc import Sequence as Tokens
 
 import torch
 
+from tinyserve.closed_schema import close_objects
 from tinyserve.guided_params import GuidedDecodingParams
 
 COMPILED_KEPT = 256  # grammars kept compiled (each is its text: a few kilobytes at most, as a rule)
@@ -34,8 +35,10 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 # What one request's grammar may cost (issue 36, item 4; tests/test_structured_limits.py has the
 # measurements). A literal's first mask takes time in proportion to its length (0.7 s for 100k
-# characters), and a grammar of 100k characters still compiles in well under a second.
-MAX_GRAMMAR_CHARS = 100_000
+# characters), and a grammar of 100k characters still compiles in well under a second. The cap
+# has room for a schema of 100k characters once its objects are closed (closed_schema.py adds
+# about a quarter to a schema made of small objects).
+MAX_GRAMMAR_CHARS = 150_000
 # Lark alternatives compile in time quadratic in their number (10k choices: a second and more).
 MAX_CHOICES = 1000
 # llguidance's regex budget (its default is 1M): "a{1000}{1000}" spent seconds on its first mask
@@ -44,8 +47,18 @@ INITIAL_LEXER_FUEL = 100_000
 # llguidance compiles a grammar's rules recursively: a chain of about a thousand $refs, or three
 # thousand Lark rules, overflows an 8 MB thread stack, which kills the whole process (SIGSEGV).
 # Grammars are built on a thread with this much stack (address space, touched only as used),
-# enough for the deepest chain MAX_GRAMMAR_CHARS allows, about 25k rules, several times over.
+# enough for the deepest chain MAX_GRAMMAR_CHARS allows, about 37k rules, twice over.
 GRAMMAR_STACK_BYTES = 256 << 20
+# Objects and lists within each other in a JSON schema: llguidance's parser stops at 128 (the
+# schema's own levels, plus 3 of its wrapping) with "recursion limit exceeded at line 1 column N",
+# and Python's json.dumps (the cache key) raises RecursionError near 1000; this says so, by name,
+# before either. (50 objects within each other are 101 levels: "properties" is one.)
+MAX_SCHEMA_DEPTH = 120
+# Built matchers kept, by grammar, to copy for each new sequence: building one from the text takes
+# as long as compiling (1.4 s for a chain of 1000 $refs, 0.4 s for an anyOf of 2000 objects), on
+# the engine's thread, for every sequence; a copy takes a tenth of a millisecond. Each holds its
+# grammar's lexer (up to tens of MB), so fewer are kept than texts.
+TEMPLATES_KEPT = 16
 _stack_lock = threading.Lock()
 
 
@@ -55,6 +68,17 @@ def parser_limits():
     import llguidance
 
     return llguidance.LLParserLimits(initial_lexer_fuel=INITIAL_LEXER_FUEL, verbose_errors=False)
+
+
+def nesting_depth(value) -> int:
+    """How many dicts and lists ``value`` has within each other (iterative: a deep one is the point)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
 
 
 def on_grammar_stack(fn, *args):
@@ -88,7 +112,8 @@ def grammar_text(params: GuidedDecodingParams) -> str:
 
     kind = params.kind
     if kind in ("json", "json_object"):
-        schema = params.json if kind == "json" else {"type": "object"}
+        # Objects closed as vLLM's default backend closes them (closed_schema.py); json_object stays open.
+        schema = close_objects(params.json) if kind == "json" else {"type": "object"}
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
@@ -117,6 +142,7 @@ class GrammarCompiler:
         self._cache_lock = threading.Lock()
         self._lock = threading.Lock()  # the server's tokenizer thread and the engine's both come here
         self._warm = False
+        self._templates: OrderedDict[str, object] = OrderedDict()  # text -> unused LLMatcher, to copy
 
     @property
     def ll_tokenizer(self):
@@ -136,10 +162,10 @@ class GrammarCompiler:
 
     def compile(self, params: GuidedDecodingParams) -> str:
         """The checked grammar for ``params``, or a ValueError that names what is wrong with it."""
-        try:
-            key = params.key()
-        except RecursionError:  # json.dumps recurses once per level of the schema
-            raise ValueError(f"guided {params.kind}: the schema is nested too deeply") from None
+        if params.kind == "json" and (depth := nesting_depth(params.json)) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"guided json: the schema is nested {depth} deep, more than this server compiles "
+                             f"({MAX_SCHEMA_DEPTH})")
+        key = params.key()
         with self._cache_lock:
             text = self._compiled.get(key)
             if text is not None:
@@ -173,17 +199,33 @@ class GrammarCompiler:
         error = llguidance.LLMatcher.validate_grammar(text, self.ll_tokenizer, limits=parser_limits())
         if error:
             return short_error(error)
-        state = GrammarState(llguidance.LLMatcher(self.ll_tokenizer, text, limits=parser_limits()), self.vocab_size)
-        if not state.allowed().any() and state.error:
-            return f"no output can satisfy it (llguidance: {state.error}; a $ref cycle does this)"
-        return state.error or ""
+        template = llguidance.LLMatcher(self.ll_tokenizer, text, limits=parser_limits())
+        state = GrammarState(template.deep_copy(), self.vocab_size)
+        if not state.allowed().any() and state.error == "NoExtensionBias":
+            return "no output can satisfy it (llguidance: NoExtensionBias; a $ref cycle does this)"
+        if state.error:
+            return state.error
+        self._keep_template(text, template)
+        return ""
+
+    def _keep_template(self, text: str, template) -> None:
+        with self._cache_lock:
+            self._templates[text] = template
+            while len(self._templates) > TEMPLATES_KEPT:
+                self._templates.popitem(last=False)
 
     def matcher(self, params: GuidedDecodingParams) -> GrammarState:
         import llguidance
 
         text = self.compile(params)
-        matcher = on_grammar_stack(lambda: llguidance.LLMatcher(self.ll_tokenizer, text, limits=parser_limits()))
-        return GrammarState(matcher, self.vocab_size)
+        with self._cache_lock:
+            template = self._templates.get(text)
+            if template is not None:
+                self._templates.move_to_end(text)
+        if template is None:  # evicted since it was compiled: build it again
+            template = on_grammar_stack(lambda: llguidance.LLMatcher(self.ll_tokenizer, text, limits=parser_limits()))
+            self._keep_template(text, template)
+        return GrammarState(template.deep_copy(), self.vocab_size)
 
 
 class GrammarState:
