@@ -1,8 +1,10 @@
-"""Solutions to the exercises of chapter 12: prefix caching, chunked prefill, serving."""
+"""Solutions to the exercises of chapter 12: prefix caching, chunked prefill, serving, structured output."""
 
 from __future__ import annotations
 
 import json
+
+import torch
 
 
 def cached_tokens(prompt, earlier, block_size):
@@ -37,3 +39,13 @@ def stream_text(body):
             piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
             texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
     return texts
+
+
+def pack_bitmask(allowed):
+    # Pad the vocabulary to whole words, weigh bit k of each group of 32 by 2**k and add up (in
+    # int64, where 2**31 fits); a word of 2**31 or more is the negative int32 with the same bits.
+    rows, vocab = allowed.shape
+    padded = torch.zeros(rows, (vocab + 31) // 32 * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed
+    words = (padded.view(rows, -1, 32) * 2 ** torch.arange(32, dtype=torch.int64)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

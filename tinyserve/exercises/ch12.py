@@ -6,6 +6,8 @@
   compared with the real scheduler in the simulator.
 - ``check_stream_text``: putting a streamed answer back together from its server-sent events,
   compared with the final texts, on streams written by the server's own ``stream_events``.
+- ``check_pack_bitmask``: packing the allowed tokens into a grammar's int32 bitmask, compared with
+  the masks llguidance writes for a real grammar and, through ``unpack_bitmask``, with random ones.
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ import reprlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from tinyserve.config import CacheConfig, SchedulerConfig
 from tinyserve.exercises.verdict import checker, run_cases
+from tinyserve.grammar import GrammarCompiler, allocate_bitmask, unpack_bitmask
+from tinyserve.guided_params import GuidedDecodingParams
 from tinyserve.outputs import CompletionOutput, RequestOutput
 from tinyserve.prefix_cache import PrefixCachingBlockSpaceManager
 from tinyserve.sequence import SamplingParams, Sequence, SequenceGroup, SequenceStatus
@@ -167,3 +173,55 @@ def check_stream_text(fn: Callable[[str], dict[int, str]], num_cases: int = 60, 
         body = stream_body(outputs, chat=bool(k % 2), include_usage=rng.random() < 0.3, n=n)
         cases.append(((body,), {c.index: c.text for c in outputs[-1].outputs}))
     return run_cases("stream_text", fn, cases, lambda a: f"body={_body_repr.repr(a[0])}")
+
+
+
+# -- structured output --------------------------------------------------------------------------
+
+def packed_reference(allowed: torch.Tensor) -> torch.Tensor:
+    """The bitmask of ``allowed`` [rows, vocab] bool, bit by bit: token t sets bit ``t % 32`` of word
+    ``t // 32``; a word with bit 31 set is stored as the negative int32 of the same bits."""
+    rows, vocab = allowed.shape
+    words = [[0] * ((vocab + 31) // 32) for _ in range(rows)]
+    for row, token in allowed.nonzero().tolist():
+        words[row][token // 32] |= 1 << (token % 32)
+    return torch.tensor([[w - (1 << 32) if w >= 1 << 31 else w for w in ws] for ws in words], dtype=torch.int32)
+
+
+def _grammar_cases() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(allowed, bitmask) as llguidance wrote them for a JSON object on the tiny model's tokenizer,
+    at its start and after a few tokens."""
+    from tinyserve.models.tiny import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    state = GrammarCompiler(tok, len(tok), tok.eos_token_id).matcher(GuidedDecodingParams(json_object=True))
+    cases = []
+    for text in ("", '{"', '{"name": "Ada", "age": 3'):
+        state.sync(tok.encode(text, add_special_tokens=False))
+        bitmask = allocate_bitmask(1, len(tok))
+        state.fill_bitmask(bitmask, 0)
+        cases.append((unpack_bitmask(bitmask, len(tok)), bitmask))
+    return cases
+
+
+@checker(chapter=12, answer="pack_bitmask")
+def check_pack_bitmask(fn: Callable[[torch.Tensor], torch.Tensor], num_cases: int = 60, seed: int = 0) -> bool:
+    """``fn(allowed)``: ``allowed`` [rows, vocab] bool -> the int32 bitmask [rows, (vocab + 31) // 32]
+    with bit ``t % 32`` of word ``t // 32`` set exactly when token t is allowed (bits past the
+    vocabulary clear), as a grammar's matcher writes it."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = [((allowed,), bitmask) for allowed, bitmask in _grammar_cases()]
+    fixed = [torch.ones(1, 64, dtype=torch.bool), torch.zeros(2, 33, dtype=torch.bool),
+             torch.arange(40).remainder(2).eq(0).unsqueeze(0), torch.arange(32).eq(31).unsqueeze(0)]
+    cases += [((a,), packed_reference(a)) for a in fixed]
+    while len(cases) < num_cases:
+        rows, vocab = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 200, (1,), generator=gen))
+        allowed = torch.rand(rows, vocab, generator=gen) < float(torch.rand(1, generator=gen))
+        expected = packed_reference(allowed)
+        assert torch.equal(unpack_bitmask(expected, vocab), allowed)  # the package reads it back
+        cases.append(((allowed,), expected))
+    return run_cases("pack_bitmask", lambda allowed: fn(allowed.clone()), cases,
+                     lambda a: f"allowed of shape {list(a[0].shape)}, allowed tokens "
+                               f"{_body_repr.repr(a[0].nonzero().tolist())}",
+                     same=lambda got, want: (isinstance(got, torch.Tensor) and got.dtype == torch.int32
+                                             and got.shape == want.shape and torch.equal(got, want)))
