@@ -10,7 +10,7 @@ the book's tests run every one on the chapter's solution and on deliberately wro
 from __future__ import annotations
 
 # Importing a chapter's module registers its checkers; each is then a name of this package.
-from tinyserve.exercises import ch00, ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13  # noqa: F401
+from tinyserve.exercises import ch00, ch01, ch02, ch03, ch04, ch05, ch06, ch07, ch08, ch09, ch10, ch11, ch12, ch13, ch14  # noqa: F401
 from tinyserve.exercises.verdict import CHECKERS
 
 globals().update({name: entry.check for name, entry in CHECKERS.items()})

@@ -21,6 +21,7 @@ assembly plugs in:
     engine_step      engine_step.py       LLMEngine            09       build_engine's engine class (step, execute)
     parallel_mlp     parallel_mlp.py      ParallelMLP          10       the tensor-parallel MLP (chapter 10)
     v1_round         v1_round.py          Scheduler            13       LLMEngine(scheduler=) (policy="v1")
+    beam_select      beam_select.py       beam_select          14       LLMEngine(beam_select=)
 
 A class named ``AttentionBackend`` or ``Sampler`` is instantiated (``Sampler(seed)``); an object
 of that name is used as it is. ``can_admit`` and ``choose_victim`` may be functions or callable

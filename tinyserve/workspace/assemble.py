@@ -8,9 +8,10 @@ chapter 04 and ``scheduler_round`` of chapter 05, ``Scheduler`` subclasses, join
 when both are written, and chapter 13's ``v1_round`` joined with them) as the scheduler class,
 through ``LLMEngine(scheduler=)`` in the engine;
 the cache engine and the input builder through ``LLMEngine(cache_engine=, prepare_inputs=)``
-(given to the Worker), attention through ``attention_backend=<object>`` and the sampler through
-``LLMEngine(sampler=)``. Chapter 08's decode kernel and chapter 10's parallel MLP run in their
-own chapters' engines (a Triton backend, two ranks), not here. Chapter 09's ``engine_step``, an
+(given to the Worker), attention through ``attention_backend=<object>``, the sampler through
+``LLMEngine(sampler=)`` and chapter 14's beam step through ``LLMEngine(beam_select=)``.
+Chapter 08's decode kernel and chapter 10's parallel MLP run in their own chapters' engines (a
+Triton backend, two ranks), not here. Chapter 09's ``engine_step``, an
 ``LLMEngine`` subclass with the reader's ``step`` and ``execute``, is the engine's class itself.
 
 Every part of the reader's goes in wrapped by a ``contain.Tracker`` (``tracker=``, else a fresh
@@ -33,13 +34,13 @@ from tinyserve.workspace.served import NOT_COUNTED, SERVED
 from tinyserve.workspace.store import COMPONENTS, load
 
 YOURS, PACKAGES = "yours", "package's"
-# Parts of the chapters after the capstone's (chapter 13's v1 round). A report names one only
-# when the view reaches its chapter, or, with no chapter given, when it is saved: the verdicts of
-# chapters 02-12 and the capstone read as they did before it existed.
-LATER_PARTS = ("v1_round",)
-SCHEDULER_PARTS = ("allocator", "block_manager", "admission", "orca_round", "scheduler_round", "victim") + LATER_PARTS
-ENGINE_PARTS = SCHEDULER_PARTS[:-len(LATER_PARTS)] + ("cache_engine", "attention", "input_builder", "sampler",
-                                                      "engine_step") + LATER_PARTS
+# Parts of the chapters after the capstone's (chapter 13's v1 round, chapter 14's beam step). A
+# report names one only when the view reaches its chapter, or, with no chapter given, when it is
+# saved: the verdicts of chapters 02-12 and the capstone read as they did before it existed.
+LATER_PARTS = ("v1_round", "beam_select")
+SCHEDULER_PARTS = ("allocator", "block_manager", "admission", "orca_round", "scheduler_round", "victim", "v1_round")
+ENGINE_PARTS = SCHEDULER_PARTS[:-1] + ("cache_engine", "attention", "input_builder", "sampler",
+                                       "engine_step") + LATER_PARTS
 ROUND_PARTS = ("scheduler_round", "orca_round", "v1_round")  # Scheduler subclasses, joined in this order
 
 
@@ -257,7 +258,7 @@ def build_engine(model=None, *, preset=None, chapter: int | None = None, strict:
     True). ``tracker`` counts the calls of the reader's parts (``report.calls``)."""
     from tinyserve.worker import Worker
 
-    taken = {"cache_engine", "sampler", "executor", "attention_backend", "scheduler",
+    taken = {"cache_engine", "sampler", "beam_select", "executor", "attention_backend", "scheduler",
              "prepare_inputs"} & set(engine_kwargs)
     if taken:
         raise ValueError(f"build_engine fills in {', '.join(sorted(taken))} from the workspace; save your part there")
@@ -284,5 +285,6 @@ def build_engine(model=None, *, preset=None, chapter: int | None = None, strict:
     if not (isinstance(engine_cls, type) and issubclass(engine_cls, LLMEngine)):
         _disown(report, "engine_step", "it must be a subclass of tinyserve.engine.LLMEngine")
         engine_cls = LLMEngine
-    engine = engine_cls(model_config, cc, sc, executor=worker, sampler=sampler, scheduler=scheduler, **engine_kwargs)
+    engine = engine_cls(model_config, cc, sc, executor=worker, sampler=sampler, scheduler=scheduler,
+                        beam_select=parts.get("beam_select"), **engine_kwargs)
     return engine, report

@@ -178,6 +178,11 @@ COMPONENTS: dict[str, Component] = {c.name: c for c in [
                   "tinyserve.v1_round:V1RoundMixin._run_running_v1",
                   "tinyserve.v1_round:V1RoundMixin._admit_waiting_v1",
               )),
+    Component("beam_select", "beam_select.py", "beam_select", 14, "LLMEngine(beam_select=)",
+              "from tinyserve.beam_search import Selection, beam_score, should_stop\n"
+              "from tinyserve.sequence import Sequence, SequenceStatus",
+              check="tinyserve.exercises.ch14:check_beam_select", answer="beam_select",
+              own=("tinyserve.beam_search:select",)),
 ]}
 
 

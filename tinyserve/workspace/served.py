@@ -160,5 +160,6 @@ SERVED: dict[str, Served] = {
     "sampler": Served("sampled {n} time{s}", "once per sequence per step", ("__call__",), {"__call__": _samples},
                       sizes={"__call__": _rows}),
     "engine_step": Served("ran {n} step{s}", "", ("step",), {"step": _outputs}),
+    "beam_select": Served("decided {n} beam step{s}", "", ("__call__",)),
 }
 NOT_COUNTED = Served("served {n} call{s}")
