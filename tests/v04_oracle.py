@@ -28,6 +28,7 @@ schedule a round and describe what it decided (``Decision``), play the model's p
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import logging
@@ -80,6 +81,10 @@ def load() -> types.SimpleNamespace:
     if "vllm" not in sys.modules:
         pkg = types.ModuleType("vllm")
         pkg.__path__ = locate()
+        # A spec, so that importlib.util.find_spec("vllm") (test_prose reads v0.4.0's files
+        # through it) still finds the package after this stand-in takes its place.
+        pkg.__spec__ = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
+        pkg.__spec__.submodule_search_locations = list(pkg.__path__)
         sys.modules["vllm"] = pkg
     else:  # imported already (by an earlier load, or for real): its spec cannot be looked up again
         check_version()

@@ -11,7 +11,7 @@ from tinyserve.viz.style import pyplot
 
 # Which chapters build which part (the book's map, drawn as badges on the architecture).
 CHAPTER_BADGES = {
-    "LLMEngine": ["09", "11", "12"],
+    "LLMEngine": ["09", "11", "12", "14"],
     "queues": ["04", "05", "13"],
     "BlockSpaceManager": ["02", "03"],
     "model": ["07"],
