@@ -214,6 +214,7 @@ class ModelConfig:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    enforce_eager: bool | None = None  # None: graphs where they pay (worker.uses_graphs)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -222,6 +223,8 @@ class ModelConfig:
         _check_positive("max_model_len", self.max_model_len, allow_none=True)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.enforce_eager not in (None, True, False):
+            raise ValueError(f"enforce_eager must be True, False or None, got {self.enforce_eager!r}")
 
 
 @dataclass

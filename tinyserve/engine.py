@@ -67,7 +67,8 @@ class LLMEngine:
         _check_hooks(executor, parallel_config, cache_engine=cache_engine, sampler=sampler, scheduler=scheduler,
                      prepare_inputs=prepare_inputs, beam_select=beam_select)
         if executor is None:
-            executor = _make_executor(model_config, parallel_config, attention_backend, cache_engine, prepare_inputs)
+            executor = _make_executor(model_config, parallel_config, attention_backend, cache_engine, prepare_inputs,
+                                      scheduler_config.max_num_seqs)
         self.executor = executor
         self.tokenizer = executor.loaded.tokenizer
         hf = executor.loaded.hf_config
@@ -417,7 +418,7 @@ class LLMEngine:
 
 
 def _make_executor(model_config: ModelConfig, parallel_config: ParallelConfig, attention_backend: BackendSpec,
-                   cache_engine, prepare_inputs):
+                   cache_engine, prepare_inputs, max_num_seqs: int):
     """The Worker that runs the model (chapter 9), or one worker process per rank (chapter 10)."""
     # >>> chapter 10: tensor parallelism
     if parallel_config.tensor_parallel_size > 1:
@@ -426,7 +427,7 @@ def _make_executor(model_config: ModelConfig, parallel_config: ParallelConfig, a
         return TensorParallelExecutor(model_config, parallel_config, attention_backend)
     # <<<
     return Worker(model_config, attention_backend=attention_backend, cache_engine=cache_engine,
-                  prepare_inputs=prepare_inputs)
+                  prepare_inputs=prepare_inputs, max_num_seqs=max_num_seqs)
 
 
 # What each replaceable part must be, for the error that refuses it.

@@ -20,6 +20,7 @@ from tinyserve.engine import LLMEngine
 from tinyserve.models.loader import max_model_len_for
 from tinyserve.outputs import RequestOutput
 from tinyserve.sampling_params import SamplingParams
+from tinyserve.worker import check_graph_settings
 
 
 def _list_of(items, kind) -> bool:
@@ -39,7 +40,9 @@ class LLM:
     CacheEngine class or factory), ``prepare_inputs`` (a function like
     ``model_runner.prepare_inputs``), ``sampler`` (an object called like ``Sampler``) and
     ``beam_select`` (a function called like ``beam_search.select``) replace those parts of the
-    engine (see ``LLMEngine``).
+    engine (see ``LLMEngine``). ``enforce_eager`` (vLLM's name): True runs every step eagerly,
+    False runs decode steps as padded graphs (CUDA graphs on a GPU, ``torch.compile`` on the CPU,
+    chapter 11), None chooses graphs on a GPU and eager on the CPU.
     """
 
     def __init__(self, model: str = "smollm2-135m", *, device: str = "auto", dtype: str | torch.dtype = "auto",
@@ -50,8 +53,10 @@ class LLM:
                  enable_prefix_caching: bool | None = None, enable_chunked_prefill: bool | None = None,
                  gpu_memory_utilization: float = 0.9, swap_space: float = 1.0, record_history: bool = False,
                  compat: str = "tinyserve", cache_engine=None, sampler=None, scheduler=None,
-                 prepare_inputs=None, beam_select=None) -> None:
-        model_config = ModelConfig(model=model, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len)
+                 prepare_inputs=None, beam_select=None, enforce_eager: bool | None = None) -> None:
+        model_config = ModelConfig(model=model, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                                   enforce_eager=enforce_eager)
+        check_graph_settings(enforce_eager, tensor_parallel_size)
         check_backend(attention_backend)  # refused before any weights are read
         cache_config = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                                    num_cpu_blocks=num_cpu_blocks, watermark=watermark,

@@ -16,8 +16,12 @@ from tinyserve import model_runner
 from tinyserve.attention.backend import BackendSpec, backend_label
 from tinyserve.cache_engine import CacheEngine
 from tinyserve.config import CacheConfig, ModelConfig, dtype_name, resolve_device
+from tinyserve.graphs.compiled import CompiledDecode
+from tinyserve.graphs.cuda import CudaGraphs
+from tinyserve.graphs.sizes import capture_sizes
 from tinyserve.model_runner import ModelInput
 from tinyserve.models.loader import LoadedModel, load_model
+from tinyserve.models.packed_linear import pack_linears
 from tinyserve.sequence import SequenceGroupMetadata
 
 CPU_KV_BUDGET_GIB = 1.0  # on a machine without CUDA the "GPU" cache is ordinary memory
@@ -42,7 +46,7 @@ class Worker:
     def __init__(self, model_config: ModelConfig, attention_backend: BackendSpec = "auto", tp_rank: int = 0,
                  tp_size: int = 1, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  loaded: LoadedModel | None = None, cache_engine: type[CacheEngine] | None = None,
-                 prepare_inputs: Callable[..., ModelInput] | None = None) -> None:
+                 prepare_inputs: Callable[..., ModelInput] | None = None, max_num_seqs: int = 256) -> None:
         torch.manual_seed(model_config.seed)
         if loaded is None:
             loaded = load_model(model_config.model, device=model_config.device, dtype=model_config.dtype,
@@ -60,6 +64,12 @@ class Worker:
         self.prepare_inputs = prepare_inputs or model_runner.prepare_inputs
         self.cache_engine: CacheEngine | None = None
         self.block_size = 0
+        # >>> chapter 11: compiled decode steps
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = model_config.max_model_len or self.model.config.max_position_embeddings
+        self.use_graphs = uses_graphs(model_config.enforce_eager, self.device, tp_size)
+        # <<<
+        self.decode_graphs: CompiledDecode | CudaGraphs | None = None  # built with the cache (chapter 11)
 
     @property
     def backend_name(self) -> str:
@@ -85,6 +95,23 @@ class Worker:
         self.block_size = cache_config.block_size
         self.cache_engine = self.cache_engine_class(cache_config, self.num_layers, self.num_kv_heads, self.head_dim,
                                                     self.dtype, self.device)
+        # >>> chapter 11: compiled decode steps
+        if self.use_graphs:
+            self.decode_graphs = self.build_decode_graphs()
+        # <<<
+
+    def build_decode_graphs(self) -> CompiledDecode | CudaGraphs:
+        """The padded decode graphs over this worker's cache (chapter 11): captured CUDA graphs
+        on a GPU, ``torch.compile``'d graphs on the CPU, with the linears' weights packed once
+        for oneDNN where the CPU supports it."""
+        sizes = capture_sizes(self.max_num_seqs)
+        caches = self.cache_engine.gpu_cache
+        if self.device.type == "cuda":
+            graphs = CudaGraphs(self.model, caches, sizes, self.block_size, self.max_model_len)
+            graphs.capture_all()
+            return graphs
+        pack_linears(self.model)
+        return CompiledDecode(self.model, caches, sizes)
 
     @torch.inference_mode()
     def execute_model(self, groups: list[SequenceGroupMetadata], blocks_to_swap_in: dict[int, int],
@@ -105,11 +132,31 @@ class Worker:
         return self.run(inputs)
 
     def run(self, inputs: ModelInput) -> torch.Tensor:
-        hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.gpu_cache, inputs.attn_metadata)
+        # A pure decode batch runs on its padded size's graph when there is one (chapter 11).
+        hidden = None if self.decode_graphs is None else self.decode_graphs.run(inputs)
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.gpu_cache, inputs.attn_metadata)
         # The LM head runs on the sampled rows only, unless a request asks for prompt logprobs:
         # then its prompt rows follow them (model_runner.prompt_logprob_spans).
         rows = inputs.sample_indices if inputs.logit_indices is None else inputs.logit_indices
         return self.model.compute_logits(hidden.index_select(0, rows))
+
+
+def uses_graphs(enforce_eager: bool | None, device: torch.device, tp_size: int = 1) -> bool:
+    """Whether decode steps run as graphs. ``enforce_eager=None`` chooses what pays on the device:
+    graphs on a GPU (as vLLM), eager on the CPU, where compiling a size costs seconds that
+    the engine's short runs do not win back (chapter 11 measures both)."""
+    check_graph_settings(enforce_eager, tp_size)
+    if enforce_eager is None:
+        return device.type == "cuda" and tp_size == 1
+    return not enforce_eager
+
+
+def check_graph_settings(enforce_eager: bool | None, tp_size: int) -> None:
+    """Refuse graphs that cannot be built, before any weights load."""
+    if enforce_eager is False and tp_size > 1:
+        raise ValueError("enforce_eager=False is not supported with tensor_parallel_size > 1: the ranks' "
+                         "all-reduces would sit inside the graph")
 
 
 def _check_settings(model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:

@@ -28,6 +28,8 @@ from torch import nn
 
 from tinyserve.attention.backend import AttentionBackend, BackendSpec, check_backend, get_backend
 from tinyserve.attention.metadata import AttentionMetadata
+from tinyserve.attention.opaque import paged_attention
+from tinyserve.models.packed_linear import packed_linear
 from tinyserve.models.rotary import RotaryEmbedding, apply_rotary, rope_settings
 from tinyserve.models.sharding import check_shardable, column_shard, row_shard
 
@@ -55,8 +57,13 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: int | None = None  # a handle of models/packed_linear.py, once packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # >>> chapter 11: weights packed for oneDNN
+        if self.packed is not None:
+            return packed_linear(x, self.packed)
+        # <<<
         return F.linear(x, self.weight, self.bias)
 
 
@@ -67,6 +74,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = config.num_key_value_heads // tp_size
         self.scale = self.head_dim**-0.5
+        self.layer_index = 0  # set by the model: the compiled path finds its cache by it
         bias = bool(getattr(config, "attention_bias", False))
         # q, k and v of this rank's heads in one matmul.
         self.qkv_proj = Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias)
@@ -76,7 +84,8 @@ class LlamaAttention(nn.Module):
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata | None,
+                backend: AttentionBackend | None) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         num_qk = self.num_heads + self.num_kv_heads
@@ -85,8 +94,13 @@ class LlamaAttention(nn.Module):
         # Contiguous, so a backend's kernels may assume the plain [T, heads, head_dim] strides.
         q, k = (t.contiguous() for t in qk.split([self.num_heads, self.num_kv_heads], dim=1))
         v = qkv[:, num_qk * self.head_dim:].reshape(tokens, self.num_kv_heads, self.head_dim).contiguous()
-        backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = backend.forward(q, k_cache, v_cache, meta, self.scale)
+        if meta is not None:
+            backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            out = backend.forward(q, k_cache, v_cache, meta, self.scale)
+        # >>> chapter 11: compiled decode steps
+        else:  # inside a compiled graph: attention is one opaque op (attention/opaque.py)
+            out = paged_attention(q, k, v, self.layer_index, self.scale)
+        # <<<
         out = self.reduce(self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim)))
         return out if self.o_bias is None else out + self.o_bias
 
@@ -118,7 +132,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp_size, reduce)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata | None,
+                backend: AttentionBackend | None) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta, backend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -169,10 +184,13 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, tp_size, self._reduce) for _ in range(config.num_hidden_layers)
         )
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.layer_index = i
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if self.tie_word_embeddings else nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size)
         )
+        self.packed_head: int | None = None  # the LM head packed (models/packed_linear.py)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -194,17 +212,25 @@ class LlamaForCausalLM(nn.Module):
         return self._backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                meta: AttentionMetadata | None) -> torch.Tensor:
         """Final (normed) hidden states ``[T, hidden_size]`` of a packed batch of ``T`` tokens.
 
         Stores every token's K/V into ``kv_caches`` (one ``(k_cache, v_cache)`` per layer) at
-        ``meta.slot_mapping`` before attending, so a sequence's later steps can read it.
+        ``meta.slot_mapping`` before attending, so a sequence's later steps can read it. With
+        ``meta=None`` attention is the opaque op of ``attention/opaque.py``, which finds the step's
+        metadata and caches in its ``step_context`` (``kv_caches`` is then ignored): that is how
+        a compiled graph runs the model.
         """
+        # >>> chapter 11: compiled decode steps
+        if meta is None:  # the opaque op finds each layer's caches itself
+            kv_caches = [(None, None)] * self.num_layers
+        # <<<
         # >>> fold: validation: one cache pair per layer
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} (k_cache, v_cache) pairs, got {len(kv_caches)}")
         # <<<
-        backend = self.backend
+        backend = None if meta is None else self.backend
         cos, sin = self.rotary(positions)
         h = F.embedding(input_ids, self.embed_tokens)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
@@ -213,8 +239,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 next-token logits ``[T, vocab_size]``; pass only the rows you sample from."""
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        # >>> chapter 11: weights packed for oneDNN
+        if self.packed_head is not None:
+            return packed_linear(hidden, self.packed_head).float()
+        # <<<
+        return F.linear(hidden, self.head_weight).float()
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight: the embedding when the two are tied."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
