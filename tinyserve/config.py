@@ -223,7 +223,7 @@ class ModelConfig:
         _check_positive("max_model_len", self.max_model_len, allow_none=True)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.enforce_eager not in (None, True, False):
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True, False or None, got {self.enforce_eager!r}")
 
 

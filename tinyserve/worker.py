@@ -68,6 +68,12 @@ class Worker:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = model_config.max_model_len or self.model.config.max_position_embeddings
         self.use_graphs = uses_graphs(model_config.enforce_eager, self.device, tp_size)
+        if self.use_graphs and self.device.type == "cuda" and not getattr(self.model.backend, "graph_safe", False):
+            # Only a backend that reads its work from tensors can be recorded (graphs/cuda.py).
+            if model_config.enforce_eager is False:
+                raise ValueError(f"enforce_eager=False on CUDA needs the 'triton' attention backend, not "
+                                 f"{self.backend_name!r}")
+            self.use_graphs = False
         # <<<
         self.decode_graphs: CompiledDecode | CudaGraphs | None = None  # built with the cache (chapter 11)
 
@@ -99,6 +105,12 @@ class Worker:
         if self.use_graphs:
             self.decode_graphs = self.build_decode_graphs()
         # <<<
+
+    def warm_up_graphs(self) -> None:
+        """Build every size's graph now (compile on the CPU; CUDA graphs are captured with the
+        cache already), so that no request waits for one."""
+        if isinstance(self.decode_graphs, CompiledDecode):
+            self.decode_graphs.compile_all()
 
     def build_decode_graphs(self) -> CompiledDecode | CudaGraphs:
         """The padded decode graphs over this worker's cache (chapter 11): captured CUDA graphs

@@ -61,9 +61,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     ctx = _current[-1]
     n = ctx.num_tokens
     k_cache, v_cache = ctx.kv_caches[layer]
-    ctx.backend.store_kv(k[:n], v[:n], k_cache, v_cache, ctx.meta.slot_mapping)
     out = torch.empty_like(q)  # a custom op's output may not alias its inputs
-    out[:n] = ctx.backend.forward(q[:n], k_cache, v_cache, ctx.meta, scale)
+    if n:  # a batch of padding alone (compiling a size ahead of use) attends to nothing
+        ctx.backend.store_kv(k[:n], v[:n], k_cache, v_cache, ctx.meta.slot_mapping)
+        out[:n] = ctx.backend.forward(q[:n], k_cache, v_cache, ctx.meta, scale)
     out[n:] = 0
     return out
 

@@ -83,6 +83,9 @@ class TritonBackend:
     (see the module docstring for which batches take which route and why)."""
 
     name = "triton"
+    # Its decode kernel and store take all their work from tensors (lengths, tables, slots), so a
+    # CUDA graph may record them once and replay them on new values (graphs/cuda.py).
+    graph_safe = True
 
     def __init__(self, decode: Callable[..., torch.Tensor] | None = None) -> None:
         """``decode``, if given, replaces the package's kernel on the ``decode-kernel`` route: a

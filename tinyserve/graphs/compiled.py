@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from tinyserve.attention.metadata import AttentionMetadata
 from tinyserve.attention.opaque import step_context
 from tinyserve.graphs.sizes import graph_size, pad
 from tinyserve.model_runner import ModelInput
@@ -53,6 +54,15 @@ class CompiledDecode:
         # The caches stay out of the graph: attention finds them in its step context.
         return self.model(input_ids, positions, None, None)
 
+    def compile_all(self) -> None:
+        """Compile every capture size now, on batches of padding alone, as vLLM captures its
+        graphs at start-up: a server pays before it answers rather than in its first requests."""
+        empty = AttentionMetadata.build([], [], [], [], device=self.model.embed_tokens.device)
+        for size in self.sizes:
+            if size not in self.compile_seconds:
+                self._call(size, torch.zeros(size, dtype=torch.long, device=empty.slot_mapping.device),
+                           torch.zeros(size, dtype=torch.long, device=empty.slot_mapping.device), empty, 0)
+
     def run(self, inputs: ModelInput) -> torch.Tensor | None:
         """Hidden states of the batch's rows through the graph of its padded size, or None when
         no graph takes the batch (it then runs eagerly)."""
@@ -60,15 +70,21 @@ class CompiledDecode:
         if size is None:
             return None
         n = inputs.input_ids.shape[0]
-        input_ids, positions = pad(inputs.input_ids, size, 0), pad(inputs.positions, size, 0)
+        hidden = self._call(size, pad(inputs.input_ids, size, 0), pad(inputs.positions, size, 0),
+                            inputs.attn_metadata, n)
+        return hidden[:n]
+
+    def _call(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              n: int) -> torch.Tensor:
+        """The graph of ``size`` rows on padded inputs whose first ``n`` rows are real."""
         first = size not in self.compile_seconds
         if first:
             self.progress(f"compiling the decode step for batch size {size} (once; later runs load it from "
                           f"inductor's cache)")
             start = time.perf_counter()
-        with step_context(self.model.backend, inputs.attn_metadata, n, self.kv_caches):
+        with step_context(self.model.backend, meta, n, self.kv_caches):
             hidden = self._graph(input_ids, positions)
         if first:
             self.compile_seconds[size] = time.perf_counter() - start
             self.progress(f"compiled batch size {size} in {self.compile_seconds[size]:.1f} s")
-        return hidden[:n]
+        return hidden

@@ -50,6 +50,12 @@ class CudaGraphs:
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sizes: list[int],
                  block_size: int, max_context_len: int, capture: Capture | None = None) -> None:
+        # >>> fold: ValueError: a backend that plans from host-side lengths
+        if not getattr(model.backend, "graph_safe", False):
+            raise ValueError(f"CUDA graphs need an attention backend whose decode reads the lengths and block tables "
+                             f"from their tensors (graph_safe = True, as 'triton'); "
+                             f"{type(model.backend).__name__} plans from host-side lists")
+        # <<<
         self.model, self.kv_caches, self.sizes = model, kv_caches, sizes
         self.block_size = block_size
         self.max_blocks = -(-max_context_len // block_size)

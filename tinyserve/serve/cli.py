@@ -177,6 +177,10 @@ def parser() -> argparse.ArgumentParser:
                         "else the longest prompt allowed, as in vLLM)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: the Triton kernel on CUDA, batched torch attention on the CPU")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="--enforce-eager runs every step eagerly; --no-enforce-eager runs decode steps as padded "
+                        "graphs (CUDA graphs on a GPU, torch.compile on the CPU), built before the server "
+                        "answers (default: graphs on a GPU, eager on the CPU)")
     g.add_argument("--policy", default="vllm", choices=list(POLICIES),
                    help="the scheduler's policy: 'vllm' (v0.4's), 'orca' or 'v1'")
     # None, neither flag given, is the policy's own default: on under v1, off otherwise (as in vLLM).
@@ -243,7 +247,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                    num_gpu_blocks=args.num_gpu_blocks, swap_space=args.swap_space, max_model_len=args.max_model_len,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    attention_backend=args.attention_backend, policy=args.policy)
-    for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+    for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     return options
@@ -310,6 +314,10 @@ def main(argv: list[str] | None = None) -> None:
     if (short := runtime.fit_open_files(settings.max_connections)) is not None:
         log.warning("%s", short)
     llm = runtime.LLM(args.model, **engine_options(args))
+    # Decode graphs are built before the first request, not during it (as vLLM captures them).
+    warm_up = getattr(getattr(llm.engine, "executor", None), "warm_up_graphs", None)
+    if warm_up is not None:
+        warm_up()
     name = args.served_model_name or (args.model if args.model == "smollm2-135m" else None)
     # Passed only when asked for, so that create_app's plain call (and its stand-ins in the tests) stay as they were.
     lax = {"ignore_unknown_fields": True} if args.ignore_unknown_fields else {}

@@ -48,6 +48,7 @@ REGISTRY: dict[str, str] = {
     "09_step_times": "engine:fig_step_times",
     "10_column_row_parallel": "parallel:column_row_parallel_figure",
     "10_memory_per_rank": "parallel:memory_per_rank_figure",
+    "11_compiled_step": "graphs:compiled_step_figure",
     "11_kv_utilization": "performance:kv_utilization_figure",
     "11_step_breakdown": "performance:step_breakdown_figure",
     "11_sweeps": "performance:sweeps_figure",
