@@ -13,10 +13,13 @@ padding costs.
     python benchmarks/compiled_step.py                        # SmolLM2-135M, default dtype
     python benchmarks/compiled_step.py --batches 1 16 --steps 5
     python benchmarks/compiled_step.py --compile-times        # first compile, then from the cache
+    python benchmarks/compiled_step.py --workload             # the sweep's short-prompt mixed cell
 
 ``--compile-times`` runs a batch-16 engine twice in fresh processes sharing a fresh inductor
-cache folder: the first compiles, the second loads what the first left on disk. Results go to
-``compiled_step.csv`` and ``compiled_step_compile.csv`` in ``--out``.
+cache folder: the first compiles, the second loads what the first left on disk. ``--workload``
+runs the short-prompt mixed shape of ``sweep.py`` (32 requests, outputs 8-64, 16 running)
+through both engines and transformers' static ``generate``. Results go to ``compiled_step.csv``,
+``compiled_step_compile.csv`` and ``compiled_step_workload.csv`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -132,6 +135,30 @@ def compile_times(args) -> list[dict]:
     return rows
 
 
+def workload(args) -> list[dict]:
+    """The short-prompt mixed shape of ``sweep.py`` (32 requests, prompts 4-16 and outputs 8-64
+    tokens, 16 running): tinyserve eager and compiled against transformers' static ``generate``,
+    interleaved ``--repeats`` times; tokens/s medians and the ratios."""
+    dtype = resolve_dtype(args.dtype, "cpu")
+    engines = {name: build(args.model, dtype, 16, name == "eager") for name in ("eager", "compiled")}
+    engines["compiled"].engine.executor.warm_up_graphs()  # compiling is not part of the timed runs
+    hf = perf.load_hf_model(args.model, device="cpu", dtype=dtype)
+    tok = engines["eager"].tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    systems = [perf.TinyserveSystem(engines["eager"], name="tinyserve-eager"),
+               perf.TinyserveSystem(engines["compiled"], name="tinyserve-compiled"),
+               perf.StaticGenerateSystem(hf, 16, pad)]
+    perf.compare(systems, perf.uniform_workload(tok, 2, 2, 4, 8, seed=1))  # warm-up, untimed
+    w = perf.mixed_workload(tok, 32, 8, 64, 4, 16, seed=0)
+    runs = perf.compare(systems, w, repeats=args.repeats, log=print)
+    rates = {name: perf.median_rate(r) for name, r in runs.items()}
+    base = rates[systems[-1].name]
+    rows = [dict(dtype=str(dtype).removeprefix("torch."), system=name, tokens_per_s=round(rate, 1),
+                 vs_generate=round(rate / base, 3), runs=len(runs[name])) for name, rate in rates.items()]
+    print(table(rows, list(rows[0])))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -140,6 +167,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--compile-times", action="store_true")
+    ap.add_argument("--workload", action="store_true", help="the short-prompt mixed workload instead")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of --workload")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
@@ -149,6 +178,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.compile_times:
         rows = compile_times(args)
         print(f"wrote {perf.write_results('compiled_step_compile', rows, args.out)}")
+        return rows
+    if args.workload:
+        rows = workload(args)
+        print(f"wrote {perf.write_results('compiled_step_workload', rows, args.out)}")
         return rows
     rows = run_sweep(args)
     print(f"wrote {perf.write_results('compiled_step', rows, args.out)}")

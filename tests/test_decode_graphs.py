@@ -165,6 +165,20 @@ def graph_calls(llm: LLM):
         graphs.run, graphs._graph = run, graph
 
 
+def test_sizes_compiled_ahead_serve_every_step_without_recompiling(tiny_model_dir):
+    """compile_all (what a server runs before it answers) must build the graphs the steps use:
+    compiled outside inference mode they would each be compiled again on first use, a second
+    compile per size in the middle of serving."""
+    llm = LLM(model=str(tiny_model_dir), device="cpu", dtype="float32", max_num_seqs=2, num_gpu_blocks=32,
+              num_cpu_blocks=0, enforce_eager=False)
+    llm.engine.executor.warm_up_graphs()
+    assert sorted(llm.engine.executor.decode_graphs.compile_seconds) == [1, 2]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 6)]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        outs = llm.generate(["Hello, my name is", "The life is"], params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 6]
+
+
 def assert_same_outputs(got, want) -> None:
     assert len(got) == len(want)
     for g, w in zip(got, want):

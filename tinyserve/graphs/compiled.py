@@ -54,6 +54,7 @@ class CompiledDecode:
         # The caches stay out of the graph: attention finds them in its step context.
         return self.model(input_ids, positions, None, None)
 
+    @torch.inference_mode()  # as every step runs (Worker.execute_model): a graph is kept per grad mode
     def compile_all(self) -> None:
         """Compile every capture size now, on batches of padding alone, as vLLM captures its
         graphs at start-up: a server pays before it answers rather than in its first requests."""
