@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared script for a machine with a CUDA GPU: the tests with compiled Triton kernels,
-# then the kernel benchmark. Everything it produces goes to $OUT (default ./out).
+# then the kernel benchmark, end to end, CUDA graphs (the step with and without) and throughput.
+# Everything it produces goes to $OUT (default ./out).
 #
 # It expects the repository without .venv and a Python that already has torch, triton,
 # transformers and pytest (nothing is installed here). Each step runs under `timeout`, a failed
@@ -27,6 +28,7 @@ T_TESTS="${T_TESTS:-120}"
 T_BENCH="${T_BENCH:-120}"
 T_E2E="${T_E2E:-60}"
 T_TPUT="${T_TPUT:-60}"
+T_GRAPHS="${T_GRAPHS:-60}"
 
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -74,6 +76,10 @@ step bench "$T_BENCH" "$PY" benchmarks/kernel.py --quick --out "$OUT/kernel.csv"
 # End to end: s0/s1/s2 on a random-weight SmolLM2-shaped model (the real weights don't travel),
 # rounds compared with the simulator, Triton vs torch backends compared token for token.
 step e2e "$T_E2E" "$PY" scripts/e2e_random.py --device cuda --out "$OUT/e2e.json"
+
+# Decode steps as CUDA graphs (graphs/cuda.py): greedy tokens with and without graphs, and the step
+# at batch 1, 8, 16 and 32 both ways, taking turns.
+step graphs "$T_GRAPHS" "$PY" scripts/graphs_check.py --device cuda --out "$OUT/graphs.json"
 
 # Throughput against transformers on random-weight models of SmolLM2's shape and a 1B Llama shape.
 step tput_smollm2 "$T_TPUT" "$PY" benchmarks/throughput.py --device cuda --model random-smollm2 --no-sweeps \
