@@ -252,3 +252,28 @@ def test_performance_doc_latency_table_is_the_committed_serving_run():
                            for r in mine)
         line = f"| {policy} | {cells} | {max(r['output_tok_per_s'] for r in mine):.1f} |"
         assert line in doc, line
+
+
+def test_compiled_step_numbers_are_the_committed_runs():
+    """The README's and docs/performance.md's compiled-step numbers are benchmarks/compiled_step.py's
+    committed results: the step table row by row, the workload ratios and the compile times."""
+    readme = " ".join(section(README.read_text(), "Results").split())
+    doc = (ROOT / "docs" / "performance.md").read_text()
+    steps = perf.read_results("compiled_step")
+    for r in steps:
+        row = (f"| {r['batch']} | {r['graph_size']} | {r['eager_ms']:.1f} ms | {r['compiled_ms']:.1f} ms | "
+               f"{r['transformers_ms']:.1f} ms | {r['compiled_vs_eager']:.2f}× | {r['compiled_vs_transformers']:.2f}× | "
+               f"{r['roofline_share']:.0%} |")
+        assert row in doc, row
+    at16 = {r["batch"]: r for r in steps}[16]
+    assert (f"{at16['compiled_ms']:.1f} ms compiled against {at16['eager_ms']:.1f} ms eager and "
+            f"{at16['transformers_ms']:.1f} ms for transformers' forward") in readme
+    work = {r["system"]: r for r in perf.read_results("compiled_step_workload")}
+    ratios = (f"{work['tinyserve-compiled']['vs_generate']:.2f}× static `generate` compiled, "
+              f"{work['tinyserve-eager']['vs_generate']:.2f}× eager")
+    assert ratios in readme, ratios
+    assert (f"eager {work['tinyserve-eager']['vs_generate']:.2f}×, compiled "
+            f"{work['tinyserve-compiled']['vs_generate']:.2f}×") in " ".join(doc.split())
+    times = {r["run"]: r["compile_s"] for r in perf.read_results("compiled_step_compile")}
+    assert f"{times['first']:.0f} s ({times['cached']:.0f} s from the disk cache)" in readme
+    assert f"{times['first']:.1f} s, and {times['cached']:.1f} s from" in " ".join(doc.split())
