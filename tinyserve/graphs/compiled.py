@@ -20,6 +20,7 @@ nor sampling.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 
@@ -33,17 +34,24 @@ from tinyserve.model_runner import ModelInput
 logger = logging.getLogger("tinyserve.graphs")
 
 
+def say(line: str) -> None:
+    """A progress line on standard error, and in the ``tinyserve.graphs`` log."""
+    print(f"tinyserve: {line}", file=sys.stderr, flush=True)
+    logger.debug(line)
+
+
 class CompiledDecode:
     """Runs padded decode batches of ``model`` through ``torch.compile``'d graphs.
 
     ``sizes`` are the capture sizes (``sizes.capture_sizes``). ``progress`` is called with a
-    line before and after each size compiles (default: the ``tinyserve.graphs`` logger at INFO).
+    line before and after each size compiles (default: ``say``, on standard error, since a
+    silent pause of many seconds looks like a hang).
     """
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sizes: list[int],
                  progress: Callable[[str], None] | None = None) -> None:
         self.model, self.kv_caches, self.sizes = model, kv_caches, sizes
-        self.progress = progress or logger.info
+        self.progress = progress or say
         self.compile_seconds: dict[int, float] = {}  # size -> seconds its first call took
         # Each padded size is one more entry in the compiler's cache of this function; the
         # default limit (8) would fall back to eager past the eighth size.
