@@ -63,3 +63,18 @@ def test_v1_turns_both_features_on_unless_told_otherwise(monkeypatch, tiny_model
     engine = engine_from_flags(monkeypatch, tiny_model_dir, "--policy", "v1", "--no-enable-prefix-caching")
     assert engine.cache_config.enable_prefix_caching is False
 
+
+
+def test_no_enforce_eager_compiles_every_size_before_the_server_answers(monkeypatch, tiny_model_dir, capfd):
+    """``--no-enforce-eager`` reaches ModelConfig and the graphs of every capture size exist
+    before uvicorn is called, each announced on stderr; without the flag a CPU engine is eager."""
+    engine = engine_from_flags(monkeypatch, tiny_model_dir, "--no-enforce-eager", "--max-num-seqs", "4",
+                               "--dtype", "float32")
+    assert engine.model_config.enforce_eager is False
+    graphs = engine.executor.decode_graphs
+    assert sorted(graphs.compile_seconds) == [1, 2, 4]
+    err = capfd.readouterr().err
+    assert all(f"compiling the decode step for batch size {s}" in err for s in (1, 2, 4))
+    engine = engine_from_flags(monkeypatch, tiny_model_dir)
+    assert engine.model_config.enforce_eager is None and engine.executor.decode_graphs is None
+    assert "enforce_eager" not in cli.engine_options(cli.parser().parse_args([]))
