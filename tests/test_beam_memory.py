@@ -17,29 +17,16 @@ made here from the sequences alone.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
+from bench_loader import load_benchmark
 
 from tinyserve import LLM
 from tinyserve.sequence import SequenceStatus
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-bm = _load("beam_memory")
+bm = load_benchmark("beam_memory")
 
 PROMPTS = ["the cat sat", "a long road goes over the hills and far away to the sea", "one two three four five"]
 

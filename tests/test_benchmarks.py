@@ -14,28 +14,19 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bench_loader import load_benchmark
 
 from tinyserve.lab import perf
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 # Where the benchmarks' tables are shown: one link from the README, checked here against the CSVs.
 PERFORMANCE_DOC = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
 
 
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def _expected_utilization(prompts: list[int], outputs: list[int], block_size: int, max_model_len: int):
@@ -69,8 +60,9 @@ def test_kv_utilization_matches_a_direct_count(block_size: int):
 
 def test_memory_benchmark_orders_the_schemes():
     rng = random.Random(0)
-    rows = _load("memory").measure([rng.randint(20, 120) for _ in range(15)], [rng.randint(8, 128) for _ in range(15)],
-                                   max_num_seqs=6)
+    memory = load_benchmark("memory")
+    rows = memory.measure([rng.randint(20, 120) for _ in range(15)], [rng.randint(8, 128) for _ in range(15)],
+                          max_num_seqs=6)
     by = {r["scheme"]: r["utilization"] for r in rows}
     paged = [by[f"paged, block size {bs}"] for bs in (8, 16, 32)]
     # Bigger blocks leave more of the last block empty; reserving ahead wastes more still.
@@ -87,7 +79,7 @@ def test_time_schedule_keeps_every_sequence_decoding():
 
 @pytest.mark.slow
 def test_throughput_quick_run(tiny_model_dir: Path, tmp_path: Path):
-    _load("throughput").main(["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path)])
+    load_benchmark("throughput").main(["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path)])
     with open(tmp_path / "throughput.csv") as f:
         rows = list(csv.DictReader(f))
     assert {r["system"] for r in rows} == set(perf.SYSTEMS)
@@ -106,7 +98,7 @@ def test_throughput_quick_run(tiny_model_dir: Path, tmp_path: Path):
 
 @pytest.mark.slow
 def test_sweep_quick_run_and_heat_map(tiny_model_dir: Path, tmp_path: Path):
-    rows = _load("sweep").main(["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path)])
+    rows = load_benchmark("sweep").main(["--quick", "--model", str(tiny_model_dir), "--out", str(tmp_path)])
     saved = perf.read_results("throughput_sweep", tmp_path)
     assert len(saved) == len(rows) == 2 * 5  # two cells x (three tinyserve schedules + two baselines)
     for r in saved:
@@ -232,7 +224,7 @@ def test_sweep_keeps_the_other_half_only_from_the_same_machine(tmp_path: Path):
     import argparse
     import json
 
-    sweep = _load("sweep")
+    sweep = load_benchmark("sweep")
     rows = [dict(dtype="bfloat16", prompts=p, outputs="8-64", max_running=n, system="tinyserve", tokens_per_s=1.5)
             for n in (16, 32) for p in ("short", "long")]
     perf.write_results("grid", rows, tmp_path)
@@ -289,7 +281,7 @@ def test_performance_doc_dtype_table_compares_two_sweeps_of_one_machine():
 def test_performance_doc_shows_the_committed_roofline_and_levers(name: str):
     """``docs/performance.md``'s roofline and levers tables are the ones their scripts make from the
     committed CSVs: rerunning a benchmark without updating the doc fails here."""
-    assert _load(name).readme_table(perf.read_results(name)) in PERFORMANCE_DOC.read_text()
+    assert load_benchmark(name).readme_table(perf.read_results(name)) in PERFORMANCE_DOC.read_text()
 
 
 def test_roofline_counts_every_matmul_weight_of_the_model(tiny_model_dir: Path):
@@ -301,7 +293,7 @@ def test_roofline_counts_every_matmul_weight_of_the_model(tiny_model_dir: Path):
     model = AutoModelForCausalLM.from_config(config)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     d = config.hidden_size // config.num_attention_heads
-    flops, nbytes = _load("roofline").decode_step_cost(config, batch=3, context=10)
+    flops, nbytes = load_benchmark("roofline").decode_step_cost(config, batch=3, context=10)
     layers = config.num_hidden_layers
     assert flops == 2 * 3 * linear + layers * 3 * 4 * config.num_attention_heads * d * 10
     assert nbytes == 4 * linear + layers * 3 * 2 * config.num_key_value_heads * d * 10 * 4
@@ -309,7 +301,7 @@ def test_roofline_counts_every_matmul_weight_of_the_model(tiny_model_dir: Path):
 
 @pytest.mark.slow
 def test_roofline_run_writes_fractions_in_each_dtype(tiny_model_dir: Path, tmp_path: Path):
-    rows = _load("roofline").main(["--model", str(tiny_model_dir), "--batches", "1", "3", "--steps", "2",
+    rows = load_benchmark("roofline").main(["--model", str(tiny_model_dir), "--batches", "1", "3", "--steps", "2",
                                    "--dtypes", "float32", "bfloat16", "--out", str(tmp_path)])
     saved = perf.read_results("roofline", tmp_path)
     assert [(r["dtype"], r["batch"]) for r in saved] == [("float32", 1), ("float32", 3), ("bfloat16", 1),
@@ -329,7 +321,7 @@ def test_roofline_run_writes_fractions_in_each_dtype(tiny_model_dir: Path, tmp_p
 
 
 def test_profile_step_splits_a_decode_step_into_parts(tiny_model_dir: Path):
-    ps = _load("profile_step")
+    ps = load_benchmark("profile_step")
     llm = ps.build_llm(str(tiny_model_dir), 3)
     ps.fill(llm, 3, 5, max_tokens=6)
     sampler, linear = llm.engine.sampler, torch.nn.functional.linear
@@ -347,7 +339,7 @@ def test_profile_step_splits_a_decode_step_into_parts(tiny_model_dir: Path):
 
 @pytest.mark.slow
 def test_profile_step_run_writes_each_dtype_and_batch_beside_transformers(tiny_model_dir: Path, tmp_path: Path):
-    rows = _load("profile_step").main(["--model", str(tiny_model_dir), "--batches", "2", "3", "--steps", "2",
+    rows = load_benchmark("profile_step").main(["--model", str(tiny_model_dir), "--batches", "2", "3", "--steps", "2",
                                        "--dtypes", "float32", "bfloat16", "--out", str(tmp_path)])
     saved = perf.read_results("profile_step", tmp_path)
     assert len(saved) == len(rows)
@@ -372,8 +364,9 @@ def test_levers_time_every_lever_and_leave_the_engine_as_it_was(tiny_model_dir: 
     originals = (batched.BatchedTorchBackend.store_kv, logprobs.token_logprobs, llama.RMSNorm.forward,
                  llama.LlamaMLP.forward, batched.F)
     levers = ["unchanged", "store_per_layer", "logprobs_gathered", "rms_norm_op", "attention_fp32", "attention_matmul"]
-    rows = _load("levers").main(["--model", str(tiny_model_dir), "--batches", "3", "--dtypes", "float32", "bfloat16",
-                                 "--levers", *levers, "--rounds", "2", "--steps", "1", "--out", str(tmp_path)])
+    rows = load_benchmark("levers").main(["--model", str(tiny_model_dir), "--batches", "3", "--dtypes", "float32",
+                                          "bfloat16", "--levers", *levers, "--rounds", "2", "--steps", "1",
+                                          "--out", str(tmp_path)])
     saved = perf.read_results("levers", tmp_path)
     assert len(saved) == len(rows)
     for dtype in ("float32", "bfloat16"):
@@ -394,7 +387,7 @@ def test_compile_layers_lever_computes_what_the_eager_layers_do(tiny_model_dir: 
     from tinyserve.attention import batched
     from tinyserve.models import llama
 
-    levers, ps = _load("levers"), _load("profile_step")
+    levers, ps = load_benchmark("levers"), load_benchmark("profile_step")
     llm = ps.build_llm(str(tiny_model_dir), 3)
     ps.fill(llm, 3, 5, max_tokens=12)
     llm.engine.step()
@@ -420,7 +413,7 @@ def _guidellm_request(ttft_ms: float, latency_s: float, output_tokens: int, prom
 
 
 def test_serving_summary_reads_guidellm_json_and_counts_goodput():
-    serving = _load("serving")
+    serving = load_benchmark("serving")
     done = [_guidellm_request(500, 3.5, 11), _guidellm_request(1000, 5.0, 9), _guidellm_request(4000, 6.0, 5)]
     report = {"benchmarks": [{"config": {"strategy": {"type_": "poisson", "rate": 0.5}}, "duration": 10.0,
                               "requests": {"successful": done, "errored": [{}], "incomplete": []}}]}

@@ -14,27 +14,13 @@ what is measured.
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+from bench_loader import load_benchmark
 
 from tinyserve.models.tiny import make_tiny_tokenizer
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gl = _load("grammar_libraries")
+gl = load_benchmark("grammar_libraries")
 # Only llguidance is a requirement; the others are skipped where not installed.
 IMPORTS = {"llguidance": "llguidance", "xgrammar": "xgrammar", "outlines-core": "outlines_core"}
 # outlines-core compiles {"type": "object"} into a regex for seconds even on a 400-token vocabulary.

@@ -3,33 +3,21 @@ grouped into kinds (tinyserve.lab.perf.op_table), beside the floors of their wor
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from bench_loader import load_benchmark
 from torch.profiler import ProfilerActivity
 
 from tinyserve.lab.perf import op_table
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def profiled(tiny_model_dir: Path):
     """An eager engine of the tiny model with 3 sequences decoding, and the op table of one step."""
-    ps = _load("profile_step")
+    ps = load_benchmark("profile_step")
     llm = ps.build_llm(str(tiny_model_dir), 3, dtype=torch.float32, enforce_eager=True)
     ps.fill(llm, 3, 5, max_tokens=12)
     llm.engine.step()  # warm-up

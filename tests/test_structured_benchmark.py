@@ -14,28 +14,19 @@ is measured.
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
+from bench_loader import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 BATCH, REPEATS = 2, 2
 
 
-def _load(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
-so = _load("structured_output")
+so = load_benchmark("structured_output")
 
 
 @pytest.fixture(scope="module")
