@@ -21,6 +21,7 @@ transformers baselines. The tables are rewritten after every cell.
     python benchmarks/sweep.py --dtype bfloat16   # every system in bf16 (default: dtype="auto")
     python benchmarks/sweep.py --full --running 32 --keep   # measure one half, keep the other's rows
     python benchmarks/sweep.py --dtype float32 --name throughput_sweep_float32_native_bf16  # other files
+    python benchmarks/sweep.py --dtype bfloat16 --compiled --name throughput_sweep_bfloat16_compiled
 
 Every system runs in the same dtype: tinyserve's ``dtype="auto"`` unless ``--dtype`` names one
 (bfloat16 on a CPU with native bf16, float32 elsewhere), and transformers in whatever tinyserve
@@ -57,6 +58,7 @@ from tinyserve.lab import perf  # noqa: E402
 from tinyserve.lab.perf.sweep import BASELINES, OURS  # noqa: E402
 
 PROMPTS = {"short": (4, 16), "long": (16, 256)}
+COMPILED = "tinyserve-compiled"  # --compiled: the default schedule with compiled decode steps
 OUTPUTS = {"8-64": (8, 64), "8-128": (8, 128), "uniform-64": (64, 64)}
 
 
@@ -84,9 +86,10 @@ def grid(preset: str, running: tuple[int, ...] | None = None) -> tuple[list[Cell
     return cells, 3 if preset == "full" else 1
 
 
-def build_systems(model: str, max_running: int, quick: bool, dtype: str = "auto") -> list:
+def build_systems(model: str, max_running: int, quick: bool, dtype: str = "auto", compiled: bool = False) -> list:
     """tinyserve under its three schedules and both transformers baselines, on the same weights
-    and in the same dtype."""
+    and in the same dtype; with ``compiled``, also the default schedule with compiled decode
+    steps (``enforce_eager=False``, every size compiled before anything is timed)."""
     from tinyserve import LLM
 
     kw = dict(model=model, device="cpu", dtype=dtype, max_num_seqs=max_running, swap_space=0.0)
@@ -96,6 +99,10 @@ def build_systems(model: str, max_running: int, quick: bool, dtype: str = "auto"
                                         # small enough that the quick run's prompts are really cut
                                         max_num_batched_tokens=32 if quick else None),
                                     name="tinyserve-chunked")]
+    if compiled:
+        graphs = LLM(**kw, enforce_eager=False)
+        graphs.engine.executor.warm_up_graphs()
+        systems.append(perf.TinyserveSystem(graphs, name=COMPILED))
     executor = vllm.engine.executor
     hf = perf.load_hf_model(model, device=executor.device, dtype=executor.dtype)
     pad = vllm.tokenizer.pad_token_id if vllm.tokenizer.pad_token_id is not None else 0
@@ -121,7 +128,7 @@ def cell_rows(cell: Cell, w: perf.Workload, runs: dict[str, list[perf.RunResult]
                    forwards=_blank(res[0].forwards), prefill_forwards=_blank(res[0].prefill_forwards),
                    decode_rows=_blank(res[0].decode_rows))
         for base in BASELINES:
-            row[f"x_{base}"] = round(med[name] / med[base], 3) if name in OURS else ""
+            row[f"x_{base}"] = round(med[name] / med[base], 3) if name in (*OURS, COMPILED) else ""
         rows.append(row)
     return rows
 
@@ -159,6 +166,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="measure only the cells with this many running")
     ap.add_argument("--keep", action="store_true", help="keep the other cells' rows from the files rewritten")
     ap.add_argument("--name", default=None, help="stem of the files written (default: from the dtype)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="add tinyserve with compiled decode steps (enforce_eager=False) to every cell")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
     preset = "quick" if args.quick else "full" if args.full else "bench"
@@ -177,7 +186,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     kept: list[dict] | None = None
     for r in range(repeats):
         for max_running in dict.fromkeys(c.max_running for c in cells):
-            systems = build_systems(args.model, max_running, args.quick, args.dtype)
+            systems = build_systems(args.model, max_running, args.quick, args.dtype, args.compiled)
             tok = systems[0].llm.tokenizer
             dtype = dtype_name(systems[0].llm.engine.executor.dtype)
             if r == 0 and max_running == cells[0].max_running:
