@@ -55,10 +55,9 @@ from common import RESULTS_DIR, dtype_suffix, machine  # noqa: E402
 
 from tinyserve.config import dtype_name  # noqa: E402
 from tinyserve.lab import perf  # noqa: E402
-from tinyserve.lab.perf.sweep import BASELINES, OURS  # noqa: E402
+from tinyserve.lab.perf.sweep import BASELINES, COMPILED, OURS  # noqa: E402
 
 PROMPTS = {"short": (4, 16), "long": (16, 256)}
-COMPILED = "tinyserve-compiled"  # --compiled: the default schedule with compiled decode steps
 OUTPUTS = {"8-64": (8, 64), "8-128": (8, 128), "uniform-64": (64, 64)}
 
 

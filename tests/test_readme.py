@@ -274,6 +274,15 @@ def test_compiled_step_numbers_are_the_committed_runs():
     assert ratios in readme, ratios
     assert (f"eager {work['tinyserve-eager']['vs_generate']:.2f}×, compiled "
             f"{work['tinyserve-compiled']['vs_generate']:.2f}×") in " ".join(doc.split())
+    from tinyserve.lab.perf.sweep import COMPILED, by_cell
+
+    cells = by_cell(perf.read_results("throughput_sweep_bfloat16_compiled"))
+    gains = [by[COMPILED]["tokens_per_s"] / by["tinyserve"]["tokens_per_s"] for by in cells.values()]
+    span = f"{min(gains):.2f}–{max(gains):.2f}× the eager engine's tokens per second"
+    assert span in readme and span in " ".join(doc.split()), span
+    short = cells[("short", "8-64", 16)]
+    assert (f"{short[COMPILED]['x_generate']:.2f}× `generate` in the short-prompt 8–64 cell against the eager "
+            f"engine's {short['tinyserve']['x_generate']:.2f}×") in " ".join(doc.split())
     times = {r["run"]: r["compile_s"] for r in perf.read_results("compiled_step_compile")}
     assert f"{times['first']:.0f} s ({times['cached']:.0f} s from the disk cache)" in readme
     assert f"{times['first']:.1f} s, and {times['cached']:.1f} s from" in " ".join(doc.split())

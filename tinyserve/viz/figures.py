@@ -55,6 +55,7 @@ REGISTRY: dict[str, str] = {
     "11_throughput": "performance:throughput_figure",
     "11_throughput_sweep": "sweep:sweep_figure",
     "11_throughput_sweep_bfloat16": "sweep:bfloat16_sweep_figure",
+    "11_throughput_sweep_compiled": "sweep:compiled_sweep_figure",
     "12_chunked_prefill": "beyond:fig_chunked_prefill",
     "12_prefix_sharing": "beyond:fig_prefix_sharing",
     "13_policy_rounds": "policies:fig_policy_rounds",

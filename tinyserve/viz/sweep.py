@@ -8,15 +8,16 @@ cells where tinyserve is slower stand out in blue; a cell below its target is ou
 from __future__ import annotations
 
 from tinyserve.lab.perf.results import read_results
-from tinyserve.lab.perf.sweep import BASELINES, OURS, SCHEDULES, ratio_grid, target
+from tinyserve.lab.perf.sweep import BASELINES, COMPILED, OURS, SCHEDULES, ratio_grid, target
 from tinyserve.viz.style import pyplot
 
 
-def draw_sweep_heatmap(rows: list[dict]):
+def draw_sweep_heatmap(rows: list[dict], systems: tuple[str, ...] = OURS):
+    """The heat map of ``systems``' ratios (tinyserve's three schedules unless told otherwise)."""
     plt = pyplot()
     from matplotlib.colors import TwoSlopeNorm
 
-    grids = [ratio_grid(rows, b) for b in BASELINES]
+    grids = [ratio_grid(rows, b, systems) for b in BASELINES]
     values = [v for _, g in grids for line in g for v in line]
     norm = TwoSlopeNorm(vcenter=1.0, vmin=min(min(values), 0.9), vmax=max(max(values), 1.1))
     cells = grids[0][0]
@@ -32,7 +33,7 @@ def draw_sweep_heatmap(rows: list[dict]):
                 if v < target(cells[i], base):
                     ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=1.5, ls="--",
                                                edgecolor="black"))
-        ax.set_xticks(range(len(OURS)), [SCHEDULES[s] for s in OURS])
+        ax.set_xticks(range(len(systems)), [SCHEDULES[s] for s in systems])
         ax.set_title(f"tinyserve ÷ transformers {base}")
     axes[0].set_yticks(range(len(labels)), labels)
     fig.colorbar(im, ax=axes, shrink=0.8, label="throughput ratio (tokens/s)")
@@ -49,3 +50,8 @@ def sweep_figure():
 
 def bfloat16_sweep_figure():
     return draw_sweep_heatmap(read_results("throughput_sweep_bfloat16"))
+
+
+def compiled_sweep_figure():
+    """The bf16 cells rerun with compiled decode steps beside the eager default (chapter 11.14)."""
+    return draw_sweep_heatmap(read_results("throughput_sweep_bfloat16_compiled"), ("tinyserve", COMPILED))

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 OURS = ("tinyserve", "tinyserve-orca", "tinyserve-chunked")
 BASELINES = ("generate", "generate_batch")
-SCHEDULES = {"tinyserve": "vllm policy", "tinyserve-orca": "orca policy", "tinyserve-chunked": "chunked prefill"}
+SCHEDULES = {"tinyserve": "vllm policy", "tinyserve-orca": "orca policy", "tinyserve-chunked": "chunked prefill",
+             "tinyserve-compiled": "vllm, compiled"}
+COMPILED = "tinyserve-compiled"  # sweep.py --compiled: the vllm policy with compiled decode steps
 
 
 def cell_key(row: dict) -> tuple[str, str, int]:
@@ -37,10 +39,11 @@ def target(cell: tuple[str, str, int], baseline: str) -> float:
     return 1.0 if cell[1].startswith("uniform") else 1.3
 
 
-def ratio_grid(rows: list[dict], baseline: str) -> tuple[list[tuple[str, str, int]], list[list[float]]]:
-    """The cells and ``[cell][schedule]`` ratios of tinyserve's median tokens/s to ``baseline``'s."""
+def ratio_grid(rows: list[dict], baseline: str,
+               systems: tuple[str, ...] = OURS) -> tuple[list[tuple[str, str, int]], list[list[float]]]:
+    """The cells and ``[cell][system]`` ratios of tinyserve's median tokens/s to ``baseline``'s."""
     cells = by_cell(rows)
-    grid = [[by[s]["tokens_per_s"] / by[baseline]["tokens_per_s"] for s in OURS] for by in cells.values()]
+    grid = [[by[s]["tokens_per_s"] / by[baseline]["tokens_per_s"] for s in systems] for by in cells.values()]
     return list(cells), grid
 
 
