@@ -103,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     top = max(args.batches)
-    t = time.perf_counter()
     engines = {"eager": build(args.device, dtype, True, top)}
     t = time.perf_counter()
     engines["graphs"] = build(args.device, dtype, False, top)

@@ -17,7 +17,7 @@ from tinyserve.attention.backend import BackendSpec, backend_label
 from tinyserve.cache_engine import CacheEngine
 from tinyserve.config import CacheConfig, ModelConfig, dtype_name, resolve_device
 from tinyserve.graphs.compiled import CompiledDecode
-from tinyserve.graphs.cuda import CudaGraphs
+from tinyserve.graphs.cuda import CudaGraphs, graph_safe
 from tinyserve.graphs.sizes import capture_sizes
 from tinyserve.model_runner import ModelInput
 from tinyserve.models.loader import LoadedModel, load_model
@@ -68,8 +68,7 @@ class Worker:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = model_config.max_model_len or self.model.config.max_position_embeddings
         self.use_graphs = uses_graphs(model_config.enforce_eager, self.device, tp_size)
-        if self.use_graphs and self.device.type == "cuda" and not getattr(self.model.backend, "graph_safe", False):
-            # Only a backend that reads its work from tensors can be recorded (graphs/cuda.py).
+        if self.use_graphs and self.device.type == "cuda" and not graph_safe(self.model.backend):
             if model_config.enforce_eager is False:
                 raise ValueError(f"enforce_eager=False on CUDA needs the 'triton' attention backend, not "
                                  f"{self.backend_name!r}")

@@ -66,11 +66,13 @@ class CompiledDecode:
     def compile_all(self) -> None:
         """Compile every capture size now, on batches of padding alone, as vLLM captures its
         graphs at start-up: a server pays before it answers rather than in its first requests."""
-        empty = AttentionMetadata.build([], [], [], [], device=self.model.embed_tokens.device)
+        device = self.model.embed_tokens.device
+        empty = AttentionMetadata.build([], [], [], [], device=device)
         for size in self.sizes:
             if size not in self.compile_seconds:
-                self._call(size, torch.zeros(size, dtype=torch.long, device=empty.slot_mapping.device),
-                           torch.zeros(size, dtype=torch.long, device=empty.slot_mapping.device), empty, 0)
+                # Two tensors, not one passed twice: the compiler guards on aliasing between inputs.
+                self._call(size, torch.zeros(size, dtype=torch.long, device=device),
+                           torch.zeros(size, dtype=torch.long, device=device), empty, 0)
 
     def run(self, inputs: ModelInput) -> torch.Tensor | None:
         """Hidden states of the batch's rows through the graph of its padded size, or None when

@@ -45,13 +45,20 @@ def cuda_capture(pool=None) -> Capture:
     return capture
 
 
+def graph_safe(backend) -> bool:
+    """Whether a CUDA graph may record ``backend``: its decode and store take all their work
+    from tensors (``graph_safe = True``, as the Triton backend declares), not from host lists
+    that a recording would freeze."""
+    return bool(getattr(backend, "graph_safe", False))
+
+
 class CudaGraphs:
     """One captured decode step per capture size, over static buffers shared by all of them."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sizes: list[int],
                  block_size: int, max_context_len: int, capture: Capture | None = None) -> None:
         # >>> fold: ValueError: a backend that plans from host-side lengths
-        if not getattr(model.backend, "graph_safe", False):
+        if not graph_safe(model.backend):
             raise ValueError(f"CUDA graphs need an attention backend whose decode reads the lengths and block tables "
                              f"from their tensors (graph_safe = True, as 'triton'); "
                              f"{type(model.backend).__name__} plans from host-side lists")
